@@ -1,0 +1,52 @@
+"""Prometheus metrics, one registry per ServingCore (so several cores can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "serve_requests", "Requests handled, by API route and HTTP status code.",
+            ["route", "code"], registry=r,
+        )
+        self.latency = Histogram(
+            "serve_request_latency_seconds", "Request latency in the server, by API route.",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.batch_size = Histogram(
+            "serve_batch_size", "Rows per model call made by the dynamic batcher.",
+            buckets=_BATCH_BUCKETS, registry=r,
+        )
+        self.batch_requests = Histogram(
+            "serve_batch_requests", "Requests merged into one model call.",
+            buckets=_BATCH_BUCKETS, registry=r,
+        )
+        self.model_latency = Histogram(
+            "serve_model_call_seconds", "Duration of one model call.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queued_rows = Gauge("serve_queued_rows", "Rows waiting in the batch queue.", registry=r)
+        self.model_version = Gauge(
+            "serve_model_version", "Version answering requests without an explicit version.",
+            ["model"], registry=r,
+        )
+        self.live_versions = Gauge(
+            "serve_model_versions_live", "Number of loaded, warm versions.", ["model"], registry=r,
+        )
+        self.in_flight = Gauge("serve_in_flight_requests", "Requests being handled.", registry=r)
+
+    def observe_batch(self, rows: int, requests: int, seconds: float) -> None:
+        self.batch_size.observe(rows)
+        self.batch_requests.observe(requests)
+        self.model_latency.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
