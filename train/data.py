@@ -63,7 +63,8 @@ def load_data(
     """Load train and test reviews from `spec`, the trainer's --data value.
 
     `spec` is "bundled", an aclImdb directory or .tar.gz, a .csv/.jsonl file (split with
-    `test_fraction` and `seed`), two such files "train.csv,test.csv", or "tfds:NAME".
+    `test_fraction` and `seed`), two such files "train.csv,test.csv", or "tfds:NAME". The
+    other sources have their own train/test split; `seed` also picks the bundled corpus.
     `limit` caps each split at that many examples (a seeded, class-balanced choice).
     """
     if not 0 < test_fraction < 1:
