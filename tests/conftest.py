@@ -1,0 +1,38 @@
+"""Shared fixtures. The serving tests get their SavedModel from `model_base` (one place to
+switch from the stand-in builder to the real exporter)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+MODEL_NAME = "sentiment"
+
+
+def add_model_version(model_base: Path, version: int) -> Path:
+    """Write version `version` of the model into `model_base` atomically; returns its directory.
+
+    Each version has different weights (seeded by the version number).
+    TODO(export): switch to the real exporter (`python -m export`) once it lands.
+    """
+    from standin_model import build_standin
+
+    return build_standin(model_base, version)
+
+
+@pytest.fixture(scope="session")
+def model_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`models/NAME` holding version 1, built once per session. Do not add versions to it:
+    copy it first (`copy_model_base`)."""
+    base = tmp_path_factory.mktemp("models") / MODEL_NAME
+    add_model_version(base, 1)
+    return base
+
+
+def copy_model_base(model_base: Path, dest: Path) -> Path:
+    """A private copy of `model_base` (e.g. to add versions to) at `dest/NAME`."""
+    target = dest / model_base.name
+    shutil.copytree(model_base, target)
+    return target

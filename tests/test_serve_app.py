@@ -1,0 +1,363 @@
+"""Route details through `app.test_client()` with a real ServingCore on the test model."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+import pytest
+
+from conftest import MODEL_NAME, add_model_version, copy_model_base
+from serve import ServeConfig, ServingCore, create_app
+
+TEXTS = ["a great and wonderful movie", "boring, the worst plot", "the film was fun", "awful acting"]
+
+
+@pytest.fixture(scope="module")
+def two_versions(model_base, tmp_path_factory):
+    base = copy_model_base(model_base, tmp_path_factory.mktemp("app"))
+    add_model_version(base, 2)
+    return base
+
+
+@pytest.fixture(scope="module")
+def make_app(two_versions):
+    """Factory: (config overrides) -> (app, core), the core loaded synchronously."""
+    cores = []
+
+    def make(load: bool = True, **overrides):
+        config = ServeConfig(model_dir=str(two_versions), poll_interval_s=0, **overrides)
+        core = ServingCore(config)
+        if load:
+            core.load_now()
+        cores.append(core)
+        return create_app(config, core), core
+
+    yield make
+    for core in cores:
+        core.close()
+
+
+@pytest.fixture(scope="module")
+def client(make_app):
+    app, _ = make_app(version_policy="all", version_labels=(("stable", 1), ("canary", 2)))
+    return app.test_client()
+
+
+def predict(client, body, path=f"/v1/models/{MODEL_NAME}:predict"):
+    return client.post(path, data=json.dumps(body), content_type="application/json")
+
+
+# -- status and metadata -------------------------------------------------------------------------
+
+def _status(*versions):
+    return {"model_version_status": [
+        {"version": str(v), "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}}
+        for v in versions]}
+
+
+@pytest.mark.parametrize("path, expected", [
+    (f"/v1/models/{MODEL_NAME}", _status(2, 1)),
+    (f"/v1/models/{MODEL_NAME}/versions/1", _status(1)),
+    (f"/v1/models/{MODEL_NAME}/labels/canary", _status(2)),
+    (f"/V1/MODELS/{MODEL_NAME}/VERSIONS/2", _status(2)),
+])
+def test_model_status(client, path, expected):
+    r = client.get(path)
+    assert (r.status_code, r.json) == (200, expected)
+
+
+@pytest.mark.parametrize("path, status, error", [
+    (f"/v1/models/{MODEL_NAME}/versions/7", 404, f"Could not find version 7 of model {MODEL_NAME}"),
+    ("/v1/models/nope", 404, "Could not find any versions of model nope"),
+    (f"/v1/models/{MODEL_NAME}/labels/beta", 404, "Unrecognized servable version label: beta"),
+    (f"/v1/models/{MODEL_NAME}/versions/x", 400, f"Malformed request: GET /v1/models/{MODEL_NAME}/versions/x"),
+    (f"/v1/models/nope/metadata", 404, "Servable not found for request: Latest(nope)"),
+    (f"/v1/models/{MODEL_NAME}/versions/7/metadata", 404, f"Servable not found for request: Specific({MODEL_NAME}, 7)"),
+    (f"/v1/models/{MODEL_NAME}:predict", 400, f"Malformed request: GET /v1/models/{MODEL_NAME}:predict"),
+    ("/v2/nothing", 404, None),
+])
+def test_get_errors(client, path, status, error):
+    r = client.get(path)
+    assert r.status_code == status and r.is_json and list(r.json) == ["error"]
+    if error is not None:
+        assert r.json == {"error": error}
+
+
+def test_metadata_matches_the_saved_model_proto(client, two_versions):
+    from google.protobuf import json_format
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel.FromString((two_versions / "1" / "saved_model.pb").read_bytes())
+    expected = {name: json_format.MessageToDict(sig, preserving_proto_field_name=True,
+                                                always_print_fields_with_no_presence=True)
+                for name, sig in proto.meta_graphs[0].signature_def.items()}
+    r = client.get(f"/v1/models/{MODEL_NAME}/versions/1/metadata")
+    assert r.status_code == 200
+    assert r.json == {"model_spec": {"name": MODEL_NAME, "signature_name": "", "version": "1"},
+                      "metadata": {"signature_def": {"signature_def": expected}}}
+    sig = r.json["metadata"]["signature_def"]["signature_def"]["serving_default"]
+    assert sig["inputs"]["text"]["dtype"] == "DT_STRING"
+    assert sig["inputs"]["text"]["tensor_shape"] == {"dim": [{"size": "-1", "name": ""}], "unknown_rank": False}
+    assert sig["method_name"] == "tensorflow/serving/predict"
+    assert client.get(f"/v1/models/{MODEL_NAME}/metadata").json["model_spec"]["version"] == "2"
+
+
+# -- predict / classify --------------------------------------------------------------------------
+
+def test_predict_row_format(client):
+    r = predict(client, {"instances": TEXTS})
+    assert r.status_code == 200
+    rows = r.json["predictions"]
+    assert len(rows) == len(TEXTS) and set(rows[0]) == {"probabilities", "logits", "label"}
+    assert [row["label"] for row in rows] == ["positive", "negative", "positive", "negative"]
+    assert all(abs(sum(row["probabilities"]) - 1) < 1e-6 for row in rows)
+
+
+def test_predict_forms_agree(client):
+    rows = predict(client, {"instances": TEXTS}).json["predictions"]
+    b64 = [{"b64": base64.b64encode(t.encode()).decode()} for t in TEXTS]
+    named = predict(client, {"signature_name": "serving_default", "instances": [{"text": t} for t in TEXTS]})
+    assert named.json["predictions"] == rows
+    assert predict(client, {"instances": b64}).json["predictions"] == rows
+    for inputs in (TEXTS, {"text": TEXTS}):
+        cols = predict(client, {"inputs": inputs}).json["outputs"]
+        assert cols == {k: [row[k] for row in rows] for k in ("probabilities", "logits", "label")}
+
+
+def test_versions_and_labels_route_to_their_model(client):
+    v1 = predict(client, {"instances": TEXTS}, f"/v1/models/{MODEL_NAME}/versions/1:predict").json
+    v2 = predict(client, {"instances": TEXTS}, f"/v1/models/{MODEL_NAME}/versions/2:predict").json
+    assert v1 != v2
+    assert predict(client, {"instances": TEXTS}, f"/v1/models/{MODEL_NAME}/labels/stable:predict").json == v1
+    assert predict(client, {"instances": TEXTS}, f"/v1/models/{MODEL_NAME}:predict").json == v2
+    assert predict(client, {"instances": TEXTS}, f"/V1/Models/{MODEL_NAME}/Versions/1:PREDICT").json == v1
+
+
+def test_classify_matches_predict(client):
+    probs = [row["probabilities"] for row in predict(client, {"instances": TEXTS}).json["predictions"]]
+    r = client.post(f"/v1/models/{MODEL_NAME}:classify", json={"examples": [{"text": t} for t in TEXTS]})
+    assert r.status_code == 200
+    assert r.json == {"results": [[["negative", p[0]], ["positive", p[1]]] for p in probs]}
+    same = client.post(f"/v1/models/{MODEL_NAME}:classify",
+                       json={"signature_name": "classify", "examples": [{"text": t} for t in TEXTS]})
+    assert same.json == r.json
+
+
+def test_predict_on_classify_signature_with_serialized_examples(client):
+    from tensorflow.core.example import example_pb2
+
+    def example(text):
+        ex = example_pb2.Example()
+        ex.features.feature["text"].bytes_list.value.append(text.encode())
+        return {"b64": base64.b64encode(ex.SerializeToString()).decode()}
+
+    r = predict(client, {"signature_name": "classify", "instances": [example(t) for t in TEXTS]})
+    probs = [row["probabilities"] for row in predict(client, {"instances": TEXTS}).json["predictions"]]
+    assert r.status_code == 200
+    assert [row["scores"] for row in r.json["predictions"]] == probs
+    assert r.json["predictions"][0]["classes"] == ["negative", "positive"]
+
+
+PREDICT = f"/v1/models/{MODEL_NAME}:predict"
+
+
+@pytest.mark.parametrize("path, body, status, error", [
+    (PREDICT, {"instances": ["a"], "signature_name": "nope"}, 404,
+     'Serving signature name: "nope" not found in signature def'),
+    (f"/v1/models/{MODEL_NAME}/versions/9:predict", {"instances": ["a"]}, 404,
+     f"Servable not found for request: Specific({MODEL_NAME}, 9)"),
+    (f"/v1/models/{MODEL_NAME}/labels/beta:predict", {"instances": ["a"]}, 404,
+     "Unrecognized servable version label: beta"),
+    ("/v1/models/other:predict", {"instances": ["a"]}, 404, "Servable not found for request: Latest(other)"),
+    (PREDICT, {"instances": ["a"], "inputs": ["a"]}, 400,
+     "Not a valid request: both 'instances' and 'inputs' given; use one of them"),
+    (PREDICT, {"instances": [7]}, 400, 'instances[0]: expected a string or {"b64": ...}, got a number (7)'),
+    (PREDICT, {"instances": []}, 400, "no instances: at least one input row is required"),
+    (PREDICT, {"instances": [""]}, 400, "instances[0]: text is empty"),
+    (PREDICT, {"instances": [{"b64": "/w=="}]}, 400, "instances[0]: text is not valid UTF-8"),
+    (PREDICT, {"signature_name": 3, "instances": ["a"]}, 400, "'signature_name' must be a string"),
+    (f"/v1/models/{MODEL_NAME}:regress", {"examples": [{"text": "a"}]}, 400,
+     "model has no signature with method_name tensorflow/serving/regress"),
+    (f"/v1/models/{MODEL_NAME}:classify", {"signature_name": "serving_default", "examples": [{"text": "a"}]}, 400,
+     "Expected classify signature method_name to be tensorflow/serving/classify. Was: tensorflow/serving/predict"),
+    (f"/v1/models/{MODEL_NAME}:classify", {"instances": ["a"]}, 400, "Missing 'examples' key"),
+    (f"/v1/models/{MODEL_NAME}", {"instances": ["a"]}, 400, f"Malformed request: POST /v1/models/{MODEL_NAME}"),
+])
+def test_post_errors(client, path, body, status, error):
+    r = client.post(path, json=body)
+    assert (r.status_code, r.json) == (status, {"error": error})
+
+
+def test_huge_and_too_many_inputs(make_app):
+    app, _ = make_app(max_rows_per_request=3, max_text_bytes=50, warmup=False)
+    c = app.test_client()
+    r = predict(c, {"instances": ["a"] * 4})
+    assert (r.status_code, r.json) == (400, {"error": "4 instances in one request, more than the limit of 3"})
+    r = c.post("/v1/sentiment", json={"texts": ["x" * 51]})
+    assert (r.status_code, r.json) == (400, {"error": "texts[0]: text is 51 bytes, more than the limit of 50"})
+
+
+@pytest.mark.parametrize("data, error", [
+    (b"\xff\xfe{}", "request body is not valid UTF-8 (byte 0)"),
+    (b"{not json", "JSON Parse error: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    (b"", "request body is empty: expected a JSON object"),
+    (b'["a"]', "request body must be a JSON object, got list"),
+])
+def test_bad_bodies(client, data, error):
+    r = client.post(PREDICT, data=data, content_type="application/json")
+    assert (r.status_code, r.json) == (400, {"error": error})
+
+
+# -- friendly API --------------------------------------------------------------------------------
+
+def test_sentiment_endpoint(client):
+    r = client.post("/v1/sentiment", json={"texts": TEXTS})
+    assert r.status_code == 200 and r.headers["X-Model-Version"] == "2"
+    rows = predict(client, {"instances": TEXTS}).json["predictions"]
+    assert r.json == [
+        {"label": row["label"], "score": max(row["probabilities"]),
+         "probabilities": dict(zip(["negative", "positive"], row["probabilities"]))} for row in rows]
+    assert client.post("/V1/Sentiment", json={"texts": TEXTS}).json == r.json
+
+
+@pytest.mark.parametrize("body, error", [
+    ({"texts": [1]}, "texts[0]: expected a string, got a number (1)"),
+    ({"text": "a"}, 'Missing \'texts\' key: expected {"texts": ["review", ...]}'),
+    ({"texts": []}, "no instances: at least one input row is required"),
+])
+def test_sentiment_errors(client, body, error):
+    r = client.post("/v1/sentiment", json=body)
+    assert (r.status_code, r.json) == (400, {"error": error})
+
+
+def test_method_not_allowed_is_json(client):
+    r = client.get("/v1/sentiment")
+    assert r.status_code == 405 and "error" in r.json
+
+
+# -- health, metrics, openapi --------------------------------------------------------------------
+
+def test_health_and_readiness(client, make_app):
+    assert (client.get("/healthz").status_code, client.get("/healthz").json) == (200, {"status": "ok"})
+    r = client.get("/readyz")
+    assert (r.status_code, r.json) == (200, {"status": "ready", "model": MODEL_NAME, "versions": ["1", "2"]})
+    app, core = make_app(load=False)
+    c = app.test_client()
+    assert c.get("/healthz").status_code == 200
+    r = c.get("/readyz")
+    assert (r.status_code, r.json) == (503, {"error": "not ready: no model version loaded and warmed up yet"})
+    r = predict(c, {"instances": ["a"]})
+    assert r.status_code == 503 and "no version loaded" in r.json["error"]
+    core.load_now()
+    assert c.get("/readyz").status_code == 200
+    core.begin_drain()
+    assert (c.get("/readyz").status_code, c.get("/readyz").json) == (503, {"error": "not ready: shutting down"})
+
+
+def test_metrics(client):
+    predict(client, {"instances": TEXTS})
+    text = client.get("/monitoring/prometheus/metrics").get_data(as_text=True)
+    for needle in ('serve_requests_total{code="200",route="predict"}', "serve_request_latency_seconds_bucket",
+                   "serve_batch_size_bucket", f'serve_model_version{{model="{MODEL_NAME}"}} 2.0',
+                   "serve_queued_rows", "serve_in_flight_requests"):
+        assert needle in text
+
+
+def test_openapi_describes_every_route(client):
+    spec = client.get("/openapi.json").json
+    assert spec["openapi"].startswith("3.")
+    paths = spec["paths"]
+    rules = {r.rule for r in client.application.url_map.iter_rules() if r.endpoint != "static"}
+    for rule in rules:
+        if rule == "/v1/models/<path:rest>":
+            assert {f"/v1/models/{{model}}{s}" for s in ("", "/metadata", ":predict", ":classify", ":regress")} <= set(paths)
+            assert "/v1/models/{model}/versions/{version}:predict" in paths
+            assert "/v1/models/{model}/labels/{label}/metadata" in paths
+        else:
+            assert rule in paths, rule
+    # and every documented path is served (no 404 from routing)
+    for path, ops in paths.items():
+        url = (path.replace("{model}", MODEL_NAME).replace("{version}", "1").replace("{label}", "stable"))
+        for method in ops:
+            body = {"examples": [{"text": "a"}], "instances": ["a"], "texts": ["a"]}
+            if "classify" in path or "regress" in path:
+                del body["instances"]
+            r = client.open(url, method=method.upper(), json=body if method == "post" else None)
+            assert r.status_code == (400 if "regress" in path else 200), (url, r.json)
+
+
+def test_root_is_left_free(client):
+    assert client.get("/").status_code == 404
+
+
+# -- limits, overload, deadline, CORS ------------------------------------------------------------
+
+def test_body_limit_413(make_app):
+    app, _ = make_app(max_body_bytes=2048, warmup=False)
+    r = predict(app.test_client(), {"instances": ["good movie " * 300]})
+    assert (r.status_code, r.json) == (413, {"error": "request body larger than the limit of 2048 bytes"})
+
+
+def _parallel_posts(app, n, body):
+    out = [None] * n
+
+    def post(i):
+        out[i] = app.test_client().post(PREDICT, json=body)
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_overload(make_app, status):
+    app, _ = make_app(max_batch_size=1, batch_timeout_s=0, max_queued_rows=1, model_delay_s=0.2,
+                      overload_status=status, warmup=False)
+    responses = _parallel_posts(app, 6, {"instances": ["good"]})
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and status in codes and set(codes) <= {200, status}
+    rejected = next(r for r in responses if r.status_code == status)
+    assert rejected.json["error"].startswith("server overloaded: 1 rows queued (max 1)")
+    assert rejected.headers["Retry-After"] == "1"
+
+
+def test_deadline_504(make_app):
+    app, _ = make_app(request_timeout_s=0.05, model_delay_s=0.3, warmup=False)
+    r = predict(app.test_client(), {"instances": ["good"]})
+    assert (r.status_code, r.json) == (504, {"error": "deadline exceeded before the model call completed"})
+
+
+def test_cors_off_by_default(client):
+    r = client.post("/v1/sentiment", json={"texts": ["good"]}, headers={"Origin": "https://a.example"})
+    assert r.status_code == 200 and "Access-Control-Allow-Origin" not in r.headers
+
+
+def test_cors_on(make_app):
+    app, _ = make_app(cors_origins=("https://a.example",), warmup=False)
+    c = app.test_client()
+    r = c.post("/v1/sentiment", json={"texts": ["good"]}, headers={"Origin": "https://a.example"})
+    assert r.headers["Access-Control-Allow-Origin"] == "https://a.example"
+    r = c.post("/v1/sentiment", json={"texts": ["good"]}, headers={"Origin": "https://evil.example"})
+    assert "Access-Control-Allow-Origin" not in r.headers
+    r = c.options(PREDICT, headers={"Origin": "https://a.example", "Access-Control-Request-Method": "POST",
+                                    "Access-Control-Request-Headers": "content-type"})
+    assert r.status_code == 200
+    assert r.headers["Access-Control-Allow-Methods"] == "GET, POST, OPTIONS"
+    assert r.headers["Access-Control-Allow-Headers"] == "content-type"
+
+
+def test_url_encoded_model_name(two_versions):
+    config = ServeConfig(model_dir=str(two_versions), model_name="my model/v", poll_interval_s=0, warmup=False)
+    core = ServingCore(config).load_now()
+    try:
+        c = create_app(config, core).test_client()
+        r = c.post("/v1/models/my%20model%2Fv:predict", json={"instances": ["good"]})
+        assert r.status_code == 200
+        assert c.get("/v1/models/my%20model%2Fv").json == _status(2)
+    finally:
+        core.close()
