@@ -1,0 +1,75 @@
+"""SGD (with optional momentum) and Adam on DVariables.
+
+Keras 3 optimizers fail on DVariables, so the update is written by hand. Slot variables are
+DVariables with their parameter's layout: each device updates only its own shard, no gathering.
+They are attributes of a tf.Module, so they go into the same checkpoint as the weights.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+
+def _zeros_like(variable: tf.Variable, name: str) -> dtensor.DVariable:
+    layout = dtensor.fetch_layout(variable)
+    value = dtensor.call_with_layout(tf.zeros, layout, shape=variable.shape, dtype=variable.dtype)
+    return dtensor.DVariable(value, trainable=False, name=name)
+
+
+def _scalar(mesh: dtensor.Mesh, value: float | int, dtype: tf.DType, name: str) -> dtensor.DVariable:
+    layout = dtensor.Layout.replicated(mesh, 0)
+    return dtensor.DVariable(dtensor.copy_to_mesh(tf.constant(value, dtype), layout), trainable=False, name=name)
+
+
+class SGD(tf.Module):
+    def __init__(self, parameters: Sequence[tf.Variable], learning_rate: float, momentum: float = 0.0) -> None:
+        super().__init__(name="sgd")
+        self.learning_rate = learning_rate
+        self.momentum = momentum
+        self.velocity = [_zeros_like(p, f"velocity_{i}") for i, p in enumerate(parameters)] if momentum else []
+
+    def apply(self, gradients: Sequence[tf.Tensor], parameters: Sequence[tf.Variable]) -> None:
+        if not self.momentum:
+            for grad, param in zip(gradients, parameters):
+                param.assign_sub(self.learning_rate * grad)
+            return
+        for grad, param, velocity in zip(gradients, parameters, self.velocity):
+            velocity.assign(self.momentum * velocity - self.learning_rate * grad)
+            param.assign_add(velocity)
+
+
+class Adam(tf.Module):
+    def __init__(
+        self,
+        parameters: Sequence[tf.Variable],
+        learning_rate: float,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+    ) -> None:
+        super().__init__(name="adam")
+        self.learning_rate, self.beta_1, self.beta_2, self.epsilon = learning_rate, beta_1, beta_2, epsilon
+        mesh = dtensor.fetch_layout(parameters[0]).mesh
+        self.iterations = _scalar(mesh, 0.0, tf.float32, "iterations")
+        self.m = [_zeros_like(p, f"m_{i}") for i, p in enumerate(parameters)]
+        self.v = [_zeros_like(p, f"v_{i}") for i, p in enumerate(parameters)]
+
+    def apply(self, gradients: Sequence[tf.Tensor], parameters: Sequence[tf.Variable]) -> None:
+        step = self.iterations.assign_add(1.0)
+        # Bias correction folded into the step size, as Keras does.
+        lr = self.learning_rate * tf.sqrt(1.0 - tf.pow(self.beta_2, step)) / (1.0 - tf.pow(self.beta_1, step))
+        for grad, param, m, v in zip(gradients, parameters, self.m, self.v):
+            m.assign(self.beta_1 * m + (1.0 - self.beta_1) * grad)
+            v.assign(self.beta_2 * v + (1.0 - self.beta_2) * tf.square(grad))
+            param.assign_sub(lr * m / (tf.sqrt(v) + self.epsilon))
+
+
+def make_optimizer(name: str, parameters: Sequence[tf.Variable], learning_rate: float, momentum: float = 0.0):
+    if name == "adam":
+        return Adam(parameters, learning_rate)
+    if name == "sgd":
+        return SGD(parameters, learning_rate, momentum)
+    raise ValueError(f"--optimizer must be adam or sgd, got {name!r}")

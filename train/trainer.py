@@ -1,0 +1,367 @@
+"""The training loop: data onto the mesh, the train step, evaluation, checkpoints, progress.
+
+The step itself (`TrainState.train_step`) only reads a batch and updates model/optimizer state;
+everything with side effects on the outside world (files, logs, signals) lives in `train()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from common import mesh as meshlib
+from common.model import DTensorMLP, ModelConfig
+from common.vectorizer import VOCABULARY_FILE, adapt_vectorizer, load_vectorizer, save_vectorizer, vectorize
+from train.config import TrainConfig
+from train.data import SentimentData, load_data
+from train.optim import make_optimizer
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.json"
+CONFIG_FILE = "train_config.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot start or continue; the message says which flag or file to fix."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT/SIGTERM arrived; the last completed step was checkpointed before raising."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}; checkpoint saved")
+        self.signum, self.step = signum, step
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    step: int
+    epoch: int
+    test_loss: float
+    test_accuracy: float
+    history: list[dict]
+
+
+def to_host(value: tf.Tensor) -> np.ndarray:
+    """A replicated DTensor's value as numpy (every device holds the same copy)."""
+    return dtensor.unpack(value)[0].numpy()
+
+
+class Progress(tf.Module):
+    """Where training is: checkpointed with the weights so resume continues mid-epoch."""
+
+    def __init__(self, mesh: dtensor.Mesh) -> None:
+        super().__init__(name="progress")
+        layout = dtensor.Layout.replicated(mesh, 0)
+
+        def counter(name: str) -> dtensor.DVariable:
+            return dtensor.DVariable(dtensor.copy_to_mesh(tf.constant(0, tf.int64), layout), trainable=False, name=name)
+
+        self.step = counter("step")
+        self.epoch = counter("epoch")
+        self.examples_in_epoch = counter("examples_in_epoch")
+
+    def read(self) -> tuple[int, int, int]:
+        return tuple(int(to_host(v.read_value())) for v in (self.step, self.epoch, self.examples_in_epoch))
+
+    def set(self, step: int, epoch: int, examples_in_epoch: int) -> None:
+        for var, value in ((self.step, step), (self.epoch, epoch), (self.examples_in_epoch, examples_in_epoch)):
+            var.assign(dtensor.copy_to_mesh(tf.constant(value, tf.int64), dtensor.fetch_layout(var)))
+
+
+class TrainState:
+    """Model, optimizer and progress on one mesh, with the compiled train and eval steps."""
+
+    def __init__(self, model_config: ModelConfig, mesh: dtensor.Mesh, config: TrainConfig) -> None:
+        self.mesh = mesh
+        self.model = DTensorMLP(model_config, mesh, seed=config.seed)
+        self.optimizer = make_optimizer(
+            config.optimizer, self.model.parameters, config.learning_rate, config.momentum
+        )
+        self.progress = Progress(mesh)
+        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, progress=self.progress)
+
+    @tf.function
+    def train_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """One optimizer step on a global batch; returns (mean loss, accuracy) of the batch."""
+        with tf.GradientTape() as tape:
+            logits = self.model(x, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        gradients = tape.gradient(loss, self.model.parameters)
+        self.optimizer.apply(gradients, self.model.parameters)
+        accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32))
+        return loss, accuracy
+
+    @tf.function
+    def eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """(sum of losses, number correct) over the real rows of a batch; padding rows have label -1.
+
+        Padding is marked in the labels because DTensorDataset fails on a third component.
+        """
+        real = tf.cast(y >= 0, tf.float32)
+        y = tf.maximum(y, 0)
+        logits = self.model(x, training=False)
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        correct = tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32)
+        return tf.reduce_sum(losses * real), tf.reduce_sum(correct * real)
+
+
+def mesh_batches(
+    mesh: dtensor.Mesh, arrays: tuple[np.ndarray, np.ndarray], layouts: tuple, global_batch: int, config: TrainConfig
+) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
+    """Global batches of `arrays` (rows a multiple of `global_batch`) as DTensors on the mesh.
+
+    DTensorDataset gives each device only its own shard, with no Python split+pack per step. In
+    multi-client mode it only splits among this client's devices, so each client first takes its
+    interleaved share of rows; the global batch is then the same set of rows a single process uses.
+    Exactly len/global_batch batches are taken: on TF 2.21, running a DTensorDataset iterator to
+    its end poisons the eager executor and every later DTensorDataset fails with CancelledError.
+    """
+    ds = tf.data.Dataset.from_tensor_slices(arrays)
+    if config.num_clients > 1:
+        ds = ds.shard(config.num_clients, config.client_id)
+    dds = dtensor.DTensorDataset(
+        dataset=ds,
+        mesh=mesh,
+        layouts=layouts,
+        global_batch_size=global_batch,
+        batch_dim=meshlib.BATCH if meshlib.BATCH in mesh.dim_names else None,
+        prefetch=2,
+    )
+    iterator = iter(dds)
+    for _ in range(len(arrays[0]) // global_batch):
+        yield next(iterator)
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+    """The shuffled row order of one epoch: a pure function of (seed, epoch), so resume can replay it."""
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def _atomic_write_json(path: Path, value: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return tf.train.latest_checkpoint(str(run_dir / CHECKPOINT_DIR)) is not None
+
+
+def _prepare_vocabulary(config: TrainConfig, run_dir: Path, data: SentimentData, resuming: bool):
+    model_config = config.model_config()
+    if resuming:
+        saved = ModelConfig.load(run_dir / MODEL_FILE)
+        if saved != model_config:
+            raise TrainingError(
+                f"--run-dir {run_dir} holds a model with {saved}, but this run asks for {model_config}; "
+                "use the same --max-tokens/--hidden/--bn-momentum or a new --run-dir"
+            )
+        return load_vectorizer(run_dir), model_config
+    vectorizer = adapt_vectorizer(data.train.texts, config.max_tokens)
+    if config.client_id == 0:
+        save_vectorizer(vectorizer, run_dir)
+        model_config.save(run_dir / MODEL_FILE)
+        _atomic_write_json(run_dir / CONFIG_FILE, dataclasses.asdict(config))
+    return vectorizer, model_config
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """Turn SIGINT/SIGTERM into a flag the loop checks between steps (never mid-step or mid-save)."""
+    stop = threading.Event()
+    stop.signum = None  # type: ignore[attr-defined]
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, _frame):  # noqa: ANN001
+        stop.signum = signum  # type: ignore[attr-defined]
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def build_mesh(config: TrainConfig) -> dtensor.Mesh:
+    device_type = meshlib.configure_devices(config.devices, config.device_type)
+    dims = meshlib.resolve_mesh_dims(config.mesh, config.strategy, config.devices)
+    return meshlib.build_mesh(dims, device_type)
+
+
+def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
+    """Train (or resume) per `config`; checkpoints, vocabulary and metrics go to `config.run_dir`."""
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    mesh = mesh or build_mesh(config)
+    meshlib.check_divisible(mesh, batch_size=config.batch_size, max_tokens=config.max_tokens, hidden=config.hidden)
+
+    resuming = has_checkpoint(run_dir)
+    if resuming and not config.resume:
+        raise TrainingError(f"--run-dir {run_dir} already has checkpoints; pass --resume or pick a new --run-dir")
+    if resuming and not (run_dir / VOCABULARY_FILE).exists():
+        raise TrainingError(f"{run_dir / VOCABULARY_FILE} is missing: cannot resume without the vocabulary")
+
+    data = load_data(
+        config.data,
+        text_field=config.text_field,
+        label_field=config.label_field,
+        test_fraction=config.test_fraction,
+        seed=config.seed,
+        limit=config.limit,
+    )
+    log.info("data: %s (%d train, %d test)", data.source, len(data.train.texts), len(data.test.texts))
+    if len(data.train.texts) < config.batch_size:
+        raise TrainingError(
+            f"--batch-size {config.batch_size} is larger than the {len(data.train.texts)} training examples"
+        )
+    vectorizer, model_config = _prepare_vocabulary(config, run_dir, data, resuming)
+    train_x = vectorize(vectorizer, data.train.texts)
+    train_y = data.train.labels.astype(np.int64)
+    test_x = vectorize(vectorizer, data.test.texts)
+    test_y = data.test.labels.astype(np.int64)
+
+    state = TrainState(model_config, mesh, config)
+    manager = tf.train.CheckpointManager(
+        state.checkpoint, str(run_dir / CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints
+    )
+    if resuming:
+        state.checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        log.info("resumed from %s", manager.latest_checkpoint)
+    step, epoch, examples_in_epoch = state.progress.read()
+
+    G = config.batch_size
+    layouts = state.model.layouts
+    steps_per_epoch = len(train_y) // G
+    history: list[dict] = []
+    metrics_path = run_dir / METRICS_FILE
+    is_chief = config.client_id == 0
+    show_progress = config.progress and is_chief
+    log.info(
+        "mesh %s on %d %s device(s); %d steps/epoch, batch %d",
+        ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names), mesh.num_local_devices() * config.num_clients,
+        mesh.device_type(), steps_per_epoch, G,
+    )
+
+    def save() -> None:
+        state.progress.set(step, epoch, examples_in_epoch)
+        manager.save(checkpoint_number=step)
+
+    def evaluate() -> tuple[float, float]:
+        padded = -(-len(test_y) // G) * G
+        pad = padded - len(test_y)
+        xs = np.concatenate([test_x, np.zeros((pad, test_x.shape[1]), np.float32)])
+        ys = np.concatenate([test_y, np.full(pad, -1, np.int64)])
+        loss_sum = correct = 0.0
+        for x, y in mesh_batches(mesh, (xs, ys), (layouts.inputs, layouts.labels), G, config):
+            batch_loss, batch_correct = state.eval_step(x, y)
+            loss_sum += float(to_host(batch_loss))
+            correct += float(to_host(batch_correct))
+        return loss_sum / len(test_y), correct / len(test_y)
+
+    with _stop_on_signals() as stop:
+        while epoch < config.epochs and not _done(step, config):
+            order = epoch_order(len(train_y), config.seed, epoch)
+            start_batch = examples_in_epoch // G
+            rows = order[start_batch * G : steps_per_epoch * G]
+            batches = mesh_batches(mesh, (train_x[rows], train_y[rows]), (layouts.inputs, layouts.labels), G, config)
+            bar = _progress_bar(show_progress, steps_per_epoch, start_batch, epoch, config.epochs)
+            loss_sum = acc_sum = 0.0
+            seen = 0
+            started = time.perf_counter()
+            for x, y in batches:
+                loss, accuracy = state.train_step(x, y)
+                step += 1
+                examples_in_epoch += G
+                seen += 1
+                loss_sum += float(to_host(loss))
+                acc_sum += float(to_host(accuracy))
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{acc_sum / seen:.3f}", refresh=False)
+                if stop.is_set():
+                    save()
+                    if bar is not None:
+                        bar.close()
+                    raise TrainingInterrupted(stop.signum, step)  # type: ignore[attr-defined]
+                if config.checkpoint_every and step % config.checkpoint_every == 0:
+                    save()
+                if _done(step, config):
+                    break
+            elapsed = time.perf_counter() - started
+            if bar is not None:
+                bar.close()
+            finished_epoch = examples_in_epoch >= steps_per_epoch * G
+            if finished_epoch:
+                epoch += 1
+                examples_in_epoch = 0
+            test_loss, test_accuracy = evaluate()
+            record = {
+                "epoch": epoch,
+                "step": step,
+                "train_loss": loss_sum / max(seen, 1),
+                "train_accuracy": acc_sum / max(seen, 1),
+                "test_loss": test_loss,
+                "test_accuracy": test_accuracy,
+                "examples_per_second": seen * G / elapsed if elapsed > 0 else None,
+                "time": time.time(),
+            }
+            history.append(record)
+            if is_chief:
+                with metrics_path.open("a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+            log.info(
+                "epoch %d step %d train_loss %.4f train_acc %.4f test_loss %.4f test_acc %.4f",
+                epoch, step, record["train_loss"], record["train_accuracy"], test_loss, test_accuracy,
+            )
+            save()
+
+    if not history:  # nothing left to do (already finished): report the restored model
+        test_loss, test_accuracy = evaluate()
+    else:
+        test_loss, test_accuracy = history[-1]["test_loss"], history[-1]["test_accuracy"]
+    return TrainResult(run_dir, step, epoch, test_loss, test_accuracy, history)
+
+
+def _done(step: int, config: TrainConfig) -> bool:
+    return config.max_steps is not None and step >= config.max_steps
+
+
+def _progress_bar(enabled: bool, total: int, initial: int, epoch: int, epochs: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}/{epochs}", unit="step", dynamic_ncols=True)
+
+
+def restore_model(run_dir: Path, mesh: dtensor.Mesh) -> DTensorMLP:
+    """Rebuild the model from a run directory and restore its latest checkpoint onto `mesh`."""
+    run_dir = Path(run_dir)
+    latest = tf.train.latest_checkpoint(str(run_dir / CHECKPOINT_DIR))
+    if latest is None:
+        raise TrainingError(f"no checkpoint in {run_dir / CHECKPOINT_DIR}")
+    model = DTensorMLP(ModelConfig.load(run_dir / MODEL_FILE), mesh)
+    tf.train.Checkpoint(model=model).restore(latest).expect_partial()
+    return model
