@@ -138,7 +138,7 @@ def dim_size(mesh: dtensor.Mesh, name: str) -> int:
 
 
 def _axis(mesh: dtensor.Mesh, name: str) -> str:
-    return name if name in mesh.dim_names and mesh.dim_size(name) > 1 else dtensor.UNSHARDED
+    return name if name in mesh.dim_names else dtensor.UNSHARDED
 
 
 @dataclass(frozen=True)

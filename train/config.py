@@ -44,10 +44,15 @@ class TrainConfig:
     optimizer: Literal["adam", "sgd"] = _help("optimizer", "adam")
     learning_rate: float = _help("learning rate", 1e-3)
     momentum: float = _help("SGD momentum (0 = plain SGD)", 0.0)
-    epochs: int = _help("passes over the training split", 5)
+    epochs: int = _help("passes over the training split", 3)
     batch_size: int = _help("global batch size; must divide by the mesh's batch dimension", 64)
     seed: int = _help("seed for initial weights and data order", 0)
     max_steps: int | None = _help("stop after this many steps in total (for quick runs)", None)
+    steps_per_call: int = _help(
+        "train steps run inside one compiled call (fewer Python round trips; progress and "
+        "interrupts are handled between calls)",
+        20,
+    )
 
     keep_checkpoints: int = _help("checkpoints to keep", 3)
     checkpoint_every: int = _help("also checkpoint every N steps within an epoch (0: end of epoch only)", 0)
@@ -60,7 +65,7 @@ class TrainConfig:
     jobs: str | None = _help("comma-separated host:port of every client (DTENSOR_JOBS)", None)
 
     def __post_init__(self) -> None:
-        positive = ("devices", "epochs", "batch_size", "keep_checkpoints", "num_clients")
+        positive = ("devices", "epochs", "batch_size", "keep_checkpoints", "num_clients", "steps_per_call")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

@@ -122,17 +122,43 @@ class TrainState:
         correct = tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32)
         return tf.reduce_sum(losses * real), tf.reduce_sum(correct * real)
 
+    @tf.function
+    def train_steps(self, iterator, num_steps: int) -> tuple[tf.Tensor, tf.Tensor]:
+        """`num_steps` train steps in one call (sums of batch losses and accuracies).
 
-def mesh_batches(
+        Looping inside the graph removes the per-step Python dispatch, which on a mesh of
+        virtual devices costs several times the step itself. `num_steps` is a Python int, so each
+        distinct value traces once (in practice: steps_per_call and one remainder).
+        """
+        loss_sum = acc_sum = tf.constant(0.0)
+        for _ in tf.range(num_steps):
+            x, y = next(iterator)
+            loss, accuracy = self.train_step(x, y)
+            loss_sum += loss
+            acc_sum += accuracy
+        return loss_sum, acc_sum
+
+    @tf.function
+    def eval_steps(self, iterator, num_steps: int) -> tuple[tf.Tensor, tf.Tensor]:
+        loss_sum = correct = tf.constant(0.0)
+        for _ in tf.range(num_steps):
+            x, y = next(iterator)
+            batch_loss, batch_correct = self.eval_step(x, y)
+            loss_sum += batch_loss
+            correct += batch_correct
+        return loss_sum, correct
+
+
+def mesh_iterator(
     mesh: dtensor.Mesh, arrays: tuple[np.ndarray, np.ndarray], layouts: tuple, global_batch: int, config: TrainConfig
 ) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
-    """Global batches of `arrays` (rows a multiple of `global_batch`) as DTensors on the mesh.
+    """An iterator of global batches of `arrays` as DTensors on the mesh.
 
     DTensorDataset gives each device only its own shard, with no Python split+pack per step. In
     multi-client mode it only splits among this client's devices, so each client first takes its
     interleaved share of rows; the global batch is then the same set of rows a single process uses.
-    Exactly len/global_batch batches are taken: on TF 2.21, running a DTensorDataset iterator to
-    its end poisons the eager executor and every later DTensorDataset fails with CancelledError.
+    Callers take exactly len/global_batch batches: on TF 2.21, running a DTensorDataset iterator
+    to its end poisons the eager executor and every later DTensorDataset fails with CancelledError.
     """
     ds = tf.data.Dataset.from_tensor_slices(arrays)
     if config.num_clients > 1:
@@ -145,9 +171,14 @@ def mesh_batches(
         batch_dim=meshlib.BATCH if meshlib.BATCH in mesh.dim_names else None,
         prefetch=2,
     )
-    iterator = iter(dds)
-    for _ in range(len(arrays[0]) // global_batch):
-        yield next(iterator)
+    return iter(dds)
+
+
+def chunks(total: int, size: int) -> Iterator[int]:
+    """Split `total` steps into calls of at most `size` steps."""
+    while total > 0:
+        yield min(size, total)
+        total -= size
 
 
 def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
@@ -274,8 +305,9 @@ def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
         xs = np.concatenate([test_x, np.zeros((pad, test_x.shape[1]), np.float32)])
         ys = np.concatenate([test_y, np.full(pad, -1, np.int64)])
         loss_sum = correct = 0.0
-        for x, y in mesh_batches(mesh, (xs, ys), (layouts.inputs, layouts.labels), G, config):
-            batch_loss, batch_correct = state.eval_step(x, y)
+        iterator = mesh_iterator(mesh, (xs, ys), (layouts.inputs, layouts.labels), G, config)
+        for num_steps in chunks(padded // G, config.steps_per_call):
+            batch_loss, batch_correct = state.eval_steps(iterator, num_steps)
             loss_sum += float(to_host(batch_loss))
             correct += float(to_host(batch_correct))
         return loss_sum / len(test_y), correct / len(test_y)
@@ -285,30 +317,31 @@ def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
             order = epoch_order(len(train_y), config.seed, epoch)
             start_batch = examples_in_epoch // G
             rows = order[start_batch * G : steps_per_epoch * G]
-            batches = mesh_batches(mesh, (train_x[rows], train_y[rows]), (layouts.inputs, layouts.labels), G, config)
+            iterator = mesh_iterator(mesh, (train_x[rows], train_y[rows]), (layouts.inputs, layouts.labels), G, config)
             bar = _progress_bar(show_progress, steps_per_epoch, start_batch, epoch, config.epochs)
             loss_sum = acc_sum = 0.0
             seen = 0
             started = time.perf_counter()
-            for x, y in batches:
-                loss, accuracy = state.train_step(x, y)
-                step += 1
-                examples_in_epoch += G
-                seen += 1
-                loss_sum += float(to_host(loss))
-                acc_sum += float(to_host(accuracy))
+            todo = len(rows) // G
+            if config.max_steps is not None:
+                todo = min(todo, config.max_steps - step)
+            for num_steps in chunks(todo, config.steps_per_call):
+                losses, accuracies = state.train_steps(iterator, num_steps)
+                loss_sum += float(to_host(losses))
+                acc_sum += float(to_host(accuracies))
+                previous_step, step, seen = step, step + num_steps, seen + num_steps
+                examples_in_epoch += num_steps * G
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(num_steps)
                     bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{acc_sum / seen:.3f}", refresh=False)
                 if stop.is_set():
                     save()
                     if bar is not None:
                         bar.close()
                     raise TrainingInterrupted(stop.signum, step)  # type: ignore[attr-defined]
-                if config.checkpoint_every and step % config.checkpoint_every == 0:
+                every = config.checkpoint_every
+                if every and step // every > previous_step // every:
                     save()
-                if _done(step, config):
-                    break
             elapsed = time.perf_counter() - started
             if bar is not None:
                 bar.close()
