@@ -3,10 +3,19 @@ switch from the stand-in builder to the real exporter)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+# DTensor meshes in tests use up to 8 virtual CPUs; they must exist before TensorFlow runs any op,
+# so configure them when pytest loads this file (every mesh then picks its first N devices).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from common.mesh import configure_devices  # noqa: E402
+
+TEST_DEVICES = 8
+configure_devices(TEST_DEVICES, "CPU")
 
 MODEL_NAME = "sentiment"
 
