@@ -38,12 +38,15 @@ class AppState:
         self._lock = threading.Lock()
         self.in_flight = 0
 
-    def enter(self) -> None:
+    def enter(self, method: str) -> None:
         with self._lock:
             self.in_flight += 1
         self.core.metrics.in_flight.inc()
+        if method == "POST":
+            self.core.request_started()
 
     def leave(self) -> None:
+        self.core.request_finished()
         with self._lock:
             self.in_flight -= 1
         self.core.metrics.in_flight.dec()
@@ -188,7 +191,7 @@ class _CaseInsensitivePrefix:
         for prefix in self._PREFIXES:
             if lower.startswith(prefix) and not path.startswith(prefix):
                 environ["PATH_INFO"] = prefix + path[len(prefix):]
-        self.state.enter()
+        self.state.enter(environ.get("REQUEST_METHOD", ""))
         try:
             return self.wsgi_app(environ, start_response)
         finally:

@@ -53,13 +53,20 @@ class Batcher:
         num_threads: int = 1,
         overload_status: int = 429,
         on_batch: Callable[[int, int, float], None] | None = None,
+        arriving: Callable[[], int] | None = None,
     ) -> None:
-        """`on_batch(rows, requests, seconds)` is called after every model call (for metrics)."""
+        """`on_batch(rows, requests, seconds)` is called after every model call (for metrics).
+
+        `arriving()`, if given, counts requests received by a frontend but not yet submitted. A
+        batch then waits for more only while some are on their way: a lone request runs at once
+        instead of paying `batch_timeout_s`, and under load the batch still fills up.
+        """
         self.max_batch_size = max_batch_size
         self.batch_timeout_s = batch_timeout_s
         self.max_queued_rows = max_queued_rows
         self.overload_status = overload_status
         self._on_batch = on_batch
+        self._arriving = arriving
         self._cv = threading.Condition(threading.Lock())
         self._queue: collections.deque[_Task] = collections.deque()
         self._queued_rows = 0
@@ -128,6 +135,8 @@ class Batcher:
                     rows += head.rows
                 if rows >= self.max_batch_size or self._closing:
                     break
+                if self._arriving is not None and self._arriving() <= 0:
+                    break  # nobody else is on the way: waiting would only add latency
                 remaining = close_at - time.monotonic()
                 if remaining <= 0:
                     break

@@ -47,10 +47,14 @@ class ServingCore:
             num_threads=config.num_batch_threads,
             overload_status=config.overload_status,
             on_batch=self.metrics.observe_batch,
+            arriving=lambda: self._arriving,
         )
         self.metrics.queued_rows.set_function(lambda: self.batcher.queued_rows)
         self._draining = threading.Event()
         self._started = False
+        self._arriving = 0  # requests received by a frontend, not yet submitted to the batcher
+        self._arriving_lock = threading.Lock()
+        self._local = threading.local()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -92,6 +96,22 @@ class ServingCore:
 
     # -- requests ----------------------------------------------------------------------------
 
+    def request_started(self) -> None:
+        """Frontends call this when a request that may run the model arrives (same thread as
+        `run`), and `request_finished` when it is done; the batcher waits only for those."""
+        self._local.arriving = True
+        with self._arriving_lock:
+            self._arriving += 1
+
+    def request_finished(self) -> None:
+        self._left_arrival()
+
+    def _left_arrival(self) -> None:
+        if getattr(self._local, "arriving", False):
+            self._local.arriving = False
+            with self._arriving_lock:
+                self._arriving -= 1
+
     def model(self, name: str, version: int | None = None, label: str | None = None) -> LoadedModel:
         if name != self.config.model_name:
             spec = f"Specific({name}, {version})" if version is not None else f"Latest({name})"
@@ -108,6 +128,7 @@ class ServingCore:
                 f"signature {signature_name!r} expects inputs {sorted(signature.inputs)}, got {sorted(inputs)}"
             )
         deadline = time.monotonic() + self.config.request_timeout_s
+        self._left_arrival()
         return self.batcher.submit(model.runner(signature_name), inputs, deadline)
 
     def predict_texts(self, texts: Sequence[str], version: int | None = None) -> tuple[int, list[Sentiment]]:

@@ -263,3 +263,14 @@ def test_parse_classify_errors(body, message):
 def test_parse_sentiment_errors(body, message):
     with pytest.raises(errors.InvalidArgument, match=message):
         parse_sentiment(body, CONFIG)
+
+
+def test_batcher_does_not_wait_when_nobody_else_is_arriving():
+    model = Doubler()
+    batcher = Batcher(max_batch_size=64, batch_timeout_s=1.0, arriving=lambda: 0)
+    try:
+        start = time.monotonic()
+        batcher.submit(model, {"x": np.array([1])}, time.monotonic() + 5)
+        assert time.monotonic() - start < 0.5
+    finally:
+        batcher.close()
