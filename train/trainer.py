@@ -389,12 +389,27 @@ def _progress_bar(enabled: bool, total: int, initial: int, epoch: int, epochs: i
     return tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}/{epochs}", unit="step", dynamic_ncols=True)
 
 
-def restore_model(run_dir: Path, mesh: dtensor.Mesh) -> DTensorMLP:
-    """Rebuild the model from a run directory and restore its latest checkpoint onto `mesh`."""
+def checkpoint_path(run_dir: Path, checkpoint: str | None = None) -> str:
+    """The checkpoint prefix to restore: the latest one, or `checkpoint` (e.g. "ckpt-40") by name."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    if checkpoint is None:
+        latest = tf.train.latest_checkpoint(str(directory))
+        if latest is None:
+            raise TrainingError(f"no checkpoint in {directory}")
+        return latest
+    prefix = directory / checkpoint
+    if not Path(f"{prefix}.index").exists():
+        raise TrainingError(f"checkpoint {checkpoint!r} not found: no {prefix}.index")
+    return str(prefix)
+
+
+def restore_model(run_dir: Path, mesh: dtensor.Mesh, checkpoint: str | None = None) -> DTensorMLP:
+    """Rebuild the model from a run directory and restore a checkpoint onto `mesh`.
+
+    The latest checkpoint unless `checkpoint` names one (a prefix in run_dir/checkpoints, e.g. "ckpt-40").
+    """
     run_dir = Path(run_dir)
-    latest = tf.train.latest_checkpoint(str(run_dir / CHECKPOINT_DIR))
-    if latest is None:
-        raise TrainingError(f"no checkpoint in {run_dir / CHECKPOINT_DIR}")
+    path = checkpoint_path(run_dir, checkpoint)
     model = DTensorMLP(ModelConfig.load(run_dir / MODEL_FILE), mesh)
-    tf.train.Checkpoint(model=model).restore(latest).expect_partial()
+    tf.train.Checkpoint(model=model).restore(path).expect_partial()
     return model
