@@ -184,6 +184,20 @@ def _read_warmup(path: Path) -> list[bytes]:
     return [r.numpy() for r in tf.data.TFRecordDataset(str(path))]
 
 
+def _fingerprint(path: Path) -> tuple[int, float]:
+    """(total bytes, newest mtime) of a version directory: changes while it is being written."""
+    size, mtime = 0, 0.0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.stat(os.path.join(root, name))
+            except FileNotFoundError:
+                continue
+            size += st.st_size
+            mtime = max(mtime, st.st_mtime)
+    return size, mtime
+
+
 def discover_versions(model_dir: str | os.PathLike) -> list[int]:
     """Integer subdirectories holding a saved_model.pb, ascending. Hidden/temp dirs are ignored."""
     try:
@@ -216,7 +230,7 @@ class ModelRegistry:
         self._on_change = on_change
         self._live: dict[int, LoadedModel] = {}
         self._status: dict[int, VersionStatus] = {}
-        self._attempts: dict[int, int] = {}
+        self._failed: dict[int, tuple[int, tuple[int, float]]] = {}  # version -> (attempts, dir fingerprint)
         self._labels = dict(config.version_labels)
         self._refresh_lock = threading.Lock()
         self._stop = threading.Event()
@@ -272,16 +286,20 @@ class ModelRegistry:
             for version in sorted(aspired - set(self._live), reverse=True):
                 if self._stop.is_set():
                     return
-                if self._attempts.get(version, 0) >= MAX_LOAD_ATTEMPTS:
-                    continue
+                attempts, fingerprint = self._failed.get(version, (0, None))
+                if attempts >= MAX_LOAD_ATTEMPTS and fingerprint == _fingerprint(self._version_dir(version)):
+                    continue  # gave up on it until its files change
                 self._load(version)
             if aspired & set(self._live):
                 # Keep serving old versions until at least one aspired version is live.
                 for version in sorted(set(self._live) - aspired):
                     self._unload(version)
 
+    def _version_dir(self, version: int) -> Path:
+        return Path(self.config.model_dir) / str(version)
+
     def _load(self, version: int) -> None:
-        path = Path(self.config.model_dir) / str(version)
+        path = self._version_dir(version)
         self._status[version] = VersionStatus(version, "LOADING")
         log.info("loading model %s version %d from %s", self.config.model_name, version, path)
         start = time.perf_counter()
@@ -289,11 +307,16 @@ class ModelRegistry:
             model = LoadedModel(version, path, self.config.model_delay_s)
             calls = model.warm_up(self.config.max_batch_size) if self.config.warmup else 0
         except Exception as exc:  # noqa: BLE001 - a bad version must not stop the server
-            self._attempts[version] = self._attempts.get(version, 0) + 1
-            self._status[version] = VersionStatus(version, "END", "UNKNOWN", f"{type(exc).__name__}: {exc}")
-            log.warning("model %s version %d failed to load (attempt %d): %s",
-                        self.config.model_name, version, self._attempts[version], exc)
+            fingerprint = _fingerprint(path)
+            attempts, old = self._failed.get(version, (0, None))
+            attempts = attempts + 1 if old == fingerprint else 1
+            self._failed[version] = (attempts, fingerprint)
+            message = f"{type(exc).__name__}: {exc}".strip()[:2000]
+            self._status[version] = VersionStatus(version, "END", "UNKNOWN", message)
+            log.warning("model %s version %d failed to load (attempt %d/%d): %s",
+                        self.config.model_name, version, attempts, MAX_LOAD_ATTEMPTS, message)
             return
+        self._failed.pop(version, None)
         self._live = {**self._live, version: model}  # the atomic switch
         self._status[version] = VersionStatus(version, "AVAILABLE")
         log.info("model %s version %d live after %.2fs (%d warmup calls)",

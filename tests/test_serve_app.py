@@ -361,3 +361,22 @@ def test_url_encoded_model_name(two_versions):
         assert c.get("/v1/models/my%20model%2Fv").json == _status(2)
     finally:
         core.close()
+
+
+def test_broken_new_version_keeps_the_old_one_serving(model_base, tmp_path):
+    base = copy_model_base(model_base, tmp_path)
+    config = ServeConfig(model_dir=str(base), poll_interval_s=0, warmup=False)
+    core = ServingCore(config).load_now()
+    try:
+        (base / "3").mkdir()
+        (base / "3" / "saved_model.pb").write_bytes(b"not a saved model")
+        core.registry.refresh()
+        c = create_app(config, core).test_client()
+        status = c.get(f"/v1/models/{MODEL_NAME}").json["model_version_status"]
+        assert [(s["version"], s["state"], s["status"]["error_code"]) for s in status] == [
+            ("3", "END", "UNKNOWN"), ("1", "AVAILABLE", "OK")]
+        assert status[0]["status"]["error_message"]
+        r = predict(c, {"instances": ["good"]})
+        assert r.status_code == 200 and c.get("/readyz").status_code == 200
+    finally:
+        core.close()
