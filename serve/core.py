@@ -1,7 +1,21 @@
 """The serving core shared by every frontend (REST now, gRPC later): registry + batcher + metrics.
 
 Nothing here knows HTTP or gRPC. Frontends resolve a model, validate the request into numpy
-arrays, and call `ServingCore.run`; errors are `serve.errors.ServingError` subclasses.
+arrays, and call `ServingCore.run`; errors are `serve.errors.ServingError` subclasses, each
+with `http_status` and `grpc_code`. A second frontend shares the same instance:
+
+    core = ServingCore(config).start()          # once per process
+    app = create_app(config, core)              # REST
+    # gRPC Predict handler, per call:
+    core.request_started()                      # lets the batcher wait for this request
+    try:
+        model = core.model(spec.name, spec.version.value or None, spec.version_label or None)
+        inputs = {k: tf.make_ndarray(v) for k, v in request.inputs.items()}
+        outputs = core.run(model, spec.signature_name or "serving_default", inputs)
+    except ServingError as exc:
+        context.abort(exc.grpc_code, exc.message)
+    finally:
+        core.request_finished()
 """
 
 from __future__ import annotations

@@ -69,6 +69,8 @@ class LoadedModel:
         proto = saved_model_pb2.SavedModel()
         proto.ParseFromString((path / "saved_model.pb").read_bytes())
         sig_defs = proto.meta_graphs[0].signature_def
+        self.signature_defs = dict(sig_defs)
+        """SignatureDef protos by name, for gRPC GetModelMetadata."""
         # TF Serving prints metadata with proto field names and default values (utils/json_tensor).
         self.signature_def_json = {
             name: json_format.MessageToDict(

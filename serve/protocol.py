@@ -72,6 +72,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(text)
     except ValueError as exc:
         raise InvalidArgument(f"JSON Parse error: {exc}") from None
+    except RecursionError:
+        raise InvalidArgument("JSON Parse error: nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidArgument(f"request body must be a JSON object, got {type(body).__name__}")
     return body

@@ -179,6 +179,7 @@ def test_parse_model_path_malformed(method, path):
 
 @pytest.mark.parametrize("raw, message", [
     (b"", "empty"), (b"\xff{}", "not valid UTF-8"), (b"{", "JSON Parse error"), (b"[1]", "must be a JSON object"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
 ])
 def test_parse_json_errors(raw, message):
     with pytest.raises(errors.InvalidArgument, match=message):
