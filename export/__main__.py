@@ -1,0 +1,54 @@
+"""`python -m export`: write a training run's checkpoint as MODEL_DIR/VERSION, a SavedModel for TF Serving."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+
+
+def main(argv: list[str] | None = None) -> int:
+    from common.cli import add_dataclass_arguments, dataclass_from_args
+    from export.config import DEFAULT_SAMPLES, ExportConfig
+
+    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__)
+    add_dataclass_arguments(parser, ExportConfig, skip=("samples",))
+    parser.add_argument(
+        "--sample", dest="samples", action="append", metavar="TEXT",
+        help="a review to check, print and use as a warm-up request (repeatable; default: three built-in ones)",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = dataclass_from_args(ExportConfig, args, samples=tuple(args.samples or DEFAULT_SAMPLES))
+    except ValueError as exc:
+        print(f"export: error: {exc}", file=sys.stderr)
+        return 2
+
+    from common.mesh import configure_devices
+    from export.exporter import ExportError, describe_signatures, export_model
+
+    configure_devices(1, "CPU")  # before any TensorFlow op: export restores onto one device
+    try:
+        result = export_model(config)
+    except ExportError as exc:
+        print(f"export: error: {exc}", file=sys.stderr)
+        return 2
+    accuracy = "" if result.test_accuracy is None else f", test accuracy {result.test_accuracy:.4f}"
+    print(f"exported version {result.version} to {result.path}")
+    print(f"  from {result.checkpoint} (step {result.step}{accuracy})")
+    print()
+    print(describe_signatures(result.path))
+    print()
+    print("sample predictions:")
+    for p in result.samples:
+        text = p.text if len(p.text) <= 70 else p.text[:67] + "..."
+        print(f"  {p.label:<8}  p(positive)={p.probabilities[1]:.4f}  {text!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

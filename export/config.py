@@ -1,0 +1,47 @@
+"""Export configuration: one frozen dataclass; `python -m export` flags are generated from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_SAMPLES: tuple[str, ...] = (
+    "A wonderful, moving film with brilliant performances. I loved every minute of it.",
+    "Boring and predictable from start to finish; a complete waste of time.",
+    "The plot was thin, but the acting was great and the ending was fun.",
+)
+"""Reviews run through the exported model as a check, printed, and written as warm-up requests."""
+
+
+def _help(text: str, default):  # noqa: ANN001 - tiny helper for field(...) with help metadata
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """What `python -m export` does; tests build it directly."""
+
+    checkpoint_dir: str = _help(
+        "training run directory (python -m train --run-dir): checkpoints/, model.json, vocabulary.json",
+        "runs/default",
+    )
+    model_dir: str = _help(
+        "model base directory for TF Serving (models/NAME); the SavedModel goes to MODEL_DIR/VERSION",
+        "models/sentiment",
+    )
+    version: int | None = _help("version number to write; default: one more than the highest existing", None)
+    checkpoint: str | None = _help("checkpoint to export by name, e.g. ckpt-40; default: the latest", None)
+    samples: tuple[str, ...] = _help("reviews to check, print and use as warm-up requests", DEFAULT_SAMPLES)
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint_dir:
+            raise ValueError("--checkpoint-dir must not be empty")
+        if not self.model_dir:
+            raise ValueError("--model-dir must not be empty")
+        if self.version is not None and self.version < 1:
+            raise ValueError(f"--version must be at least 1, got {self.version}")
+        if self.checkpoint is not None and (not self.checkpoint or "/" in self.checkpoint):
+            raise ValueError(f"--checkpoint must be a checkpoint name such as ckpt-40, got {self.checkpoint!r}")
+        if not self.samples:
+            raise ValueError("at least one sample review is needed (--sample)")
+        if not all(isinstance(s, str) for s in self.samples):
+            raise ValueError("samples must be strings")

@@ -1,0 +1,328 @@
+"""Checkpoint → versioned SavedModel that TensorFlow Serving (and `serve/`) can load.
+
+The sharded DTensor checkpoint is restored onto a 1-device mesh, its values are copied into plain
+`tf.Variable`s, and a `tf.Module` wrapping the TF-IDF vectorizer and `mlp_forward` is saved. The
+result needs neither DTensor nor project code to load. It is written to a temporary directory
+inside the model directory, checked by loading it back, and renamed into place, so a crash or an
+error never leaves a half-written version for a server polling the directory to pick up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from common.mesh import single_device_mesh
+from common.model import CLASS_NAMES, PARAMETERS, STATISTICS, ModelConfig, mlp_forward
+from common.vectorizer import VOCABULARY_FILE, load_vectorizer
+from export.config import ExportConfig
+from train.trainer import CHECKPOINT_DIR, METRICS_FILE, MODEL_FILE, TrainingError, checkpoint_path, restore_model
+
+log = logging.getLogger(__name__)
+
+SERVING_SIGNATURE = "serving_default"
+CLASSIFY_SIGNATURE = "classify"
+PREDICT_METHOD = "tensorflow/serving/predict"
+CLASSIFY_METHOD = "tensorflow/serving/classify"
+WARMUP_FILE = "tf_serving_warmup_requests"
+EXPORT_INFO_FILE = "export_info.json"
+ASSETS_EXTRA = "assets.extra"
+TMP_PREFIX = ".tmp-"
+TOLERANCE = 1e-5
+"""Largest difference allowed between the saved model and the model it was built from."""
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be done; the message names the flag or file to fix. Nothing was written."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    text: str
+    label: str
+    probabilities: tuple[float, float]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    """The version directory, `model_dir/version`."""
+    version: int
+    checkpoint: str
+    """The checkpoint prefix the weights came from."""
+    step: int | None
+    test_accuracy: float | None
+    samples: list[Prediction]
+    """The config's samples as the saved model (loaded back from disk) classifies them."""
+
+
+class PlainMLP(tf.Module):
+    """The trained MLP's values in ordinary variables (same names as DTensorMLP's DVariables)."""
+
+    def __init__(self, weights: dict[str, np.ndarray], epsilon: float) -> None:
+        super().__init__(name="sentiment_mlp")
+        self.epsilon = epsilon
+        for name in PARAMETERS + STATISTICS:
+            setattr(self, name, tf.Variable(weights[name], trainable=False, name=name))
+
+    def __call__(self, x: tf.Tensor) -> tf.Tensor:
+        params = {name: getattr(self, name) for name in PARAMETERS + STATISTICS}
+        return mlp_forward(params, x, epsilon=self.epsilon)
+
+
+class SentimentModel(tf.Module):
+    """Text in, sentiment out: TextVectorization + MLP, in inference mode (moving BatchNorm statistics,
+    so a review's prediction never depends on the rest of its batch)."""
+
+    def __init__(self, vectorizer, mlp: PlainMLP) -> None:  # noqa: ANN001 - a keras TextVectorization
+        super().__init__(name="sentiment")
+        self.vectorizer = vectorizer
+        self.mlp = mlp
+        self.class_names = tf.constant(CLASS_NAMES)
+
+    def _logits(self, text: tf.Tensor) -> tf.Tensor:
+        return self.mlp(tf.cast(self.vectorizer(text), tf.float32))
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    def serve(self, text: tf.Tensor) -> dict[str, tf.Tensor]:
+        logits = self._logits(text)
+        return {
+            "probabilities": tf.nn.softmax(logits),
+            "logits": logits,
+            "label": tf.gather(self.class_names, tf.argmax(logits, axis=1)),
+        }
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="inputs")])
+    def classify(self, inputs: tf.Tensor) -> dict[str, tf.Tensor]:
+        """TF Serving's Classify API: serialized tf.train.Example with a bytes feature `text`."""
+        features = tf.io.parse_example(inputs, {"text": tf.io.FixedLenFeature([], tf.string, default_value="")})
+        scores = tf.nn.softmax(self._logits(features["text"]))
+        classes = tf.tile(self.class_names[tf.newaxis, :], [tf.shape(inputs)[0], 1])
+        return {"classes": classes, "scores": scores}
+
+
+def next_version(model_dir: Path) -> int:
+    """One more than the highest integer version directory in `model_dir` (1 when there is none)."""
+    versions = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()] if model_dir.is_dir() else []
+    return max(versions, default=0) + 1
+
+
+def _check_run_dir(run_dir: Path, checkpoint: str | None) -> tuple[str, ModelConfig]:
+    """The checkpoint prefix to export and the model config, or an ExportError saying what is wrong."""
+    if not run_dir.is_dir():
+        raise ExportError(f"--checkpoint-dir {run_dir} does not exist")
+    if not (run_dir / CHECKPOINT_DIR).is_dir() or not any((run_dir / CHECKPOINT_DIR).iterdir()):
+        raise ExportError(
+            f"--checkpoint-dir {run_dir} has no checkpoints ({run_dir / CHECKPOINT_DIR} is missing or empty); "
+            "train first: python -m train --run-dir ..."
+        )
+    try:
+        prefix = checkpoint_path(run_dir, checkpoint)
+    except TrainingError as exc:
+        raise ExportError(f"--checkpoint-dir {run_dir}: {exc}") from None
+    for name in (MODEL_FILE, VOCABULARY_FILE):
+        if not (run_dir / name).is_file():
+            raise ExportError(f"{run_dir / name} is missing: --checkpoint-dir must be a training run directory")
+    try:
+        model_config = ModelConfig.load(run_dir / MODEL_FILE)
+    except (ValueError, TypeError) as exc:
+        raise ExportError(f"{run_dir / MODEL_FILE} is not a valid model config: {exc}") from None
+    return prefix, model_config
+
+
+def _check_shapes(prefix: str, model_config: ModelConfig, model_file: Path) -> None:
+    """Compare the checkpoint's variables with the shapes model.json implies, before restoring.
+
+    A failed restore on DTensor poisons the eager executor for the rest of the process, so a
+    mismatch must be caught here rather than by catching the restore's error.
+    """
+    try:
+        stored = dict(tf.train.list_variables(prefix))
+    except (tf.errors.OpError, ValueError) as exc:
+        raise ExportError(f"cannot read checkpoint {prefix}: {exc}") from None
+    for name, shape in model_config.shapes().items():
+        key = f"model/{name}/.ATTRIBUTES/VARIABLE_VALUE"
+        if key not in stored:
+            raise ExportError(f"checkpoint {prefix} has no variable model/{name}: not a checkpoint of this model")
+        if tuple(stored[key]) != shape:
+            raise ExportError(
+                f"checkpoint {prefix} does not match {model_file}: model/{name} has shape "
+                f"{list(stored[key])} in the checkpoint but {list(shape)} for {model_config}"
+            )
+
+
+def _checkpoint_stats(run_dir: Path, prefix: str) -> tuple[int | None, float | None]:
+    """(step, test accuracy) of the checkpoint, from its progress counter and metrics.jsonl."""
+    try:
+        step = int(tf.train.load_variable(prefix, "progress/step/.ATTRIBUTES/VARIABLE_VALUE"))
+    except (tf.errors.OpError, ValueError):
+        return None, None
+    accuracy = None
+    metrics = run_dir / METRICS_FILE
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step") == step:
+                accuracy = record.get("test_accuracy")
+    return step, accuracy
+
+
+def build_serving_model(run_dir: Path, checkpoint: str | None = None) -> SentimentModel:
+    """Restore a checkpoint onto a 1-device mesh and wrap its values in a plain-variable SentimentModel."""
+    model = restore_model(run_dir, single_device_mesh(), checkpoint)
+    mlp = PlainMLP(model.numpy_weights(), model.config.bn_epsilon)
+    return SentimentModel(load_vectorizer(run_dir), mlp)
+
+
+def _mark_classify(saved_model_dir: Path) -> None:
+    """TF2's saved_model.save writes every signature as a Predict one; TF Serving's Classify API
+    needs method_name tensorflow/serving/classify, so set it in saved_model.pb."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    path = saved_model_dir / "saved_model.pb"
+    proto = saved_model_pb2.SavedModel.FromString(path.read_bytes())
+    for meta_graph in proto.meta_graphs:
+        meta_graph.signature_def[CLASSIFY_SIGNATURE].method_name = CLASSIFY_METHOD
+    path.write_bytes(proto.SerializeToString())
+
+
+def _write_warmup(path: Path, model_name: str, samples: Sequence[str]) -> None:
+    """TF Serving replays these PredictionLog records before it marks the version available."""
+    from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
+
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for texts in (list(samples), list(samples[:1])):  # the whole batch, and a single review
+            request = predict_pb2.PredictRequest(
+                model_spec=model_pb2.ModelSpec(name=model_name, signature_name=SERVING_SIGNATURE)
+            )
+            request.inputs["text"].CopyFrom(tf.make_tensor_proto(texts, dtype=tf.string))
+            record = prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request))
+            writer.write(record.SerializeToString())
+
+
+def _verify(saved_model_dir: Path, module: SentimentModel, samples: Sequence[str]) -> list[Prediction]:
+    """Load the written model back and check it against the in-memory one, one review and a batch."""
+    loaded = tf.saved_model.load(str(saved_model_dir))
+    texts = tf.constant(list(samples))
+    expected = module.serve(texts)["probabilities"].numpy()
+    out = loaded.signatures[SERVING_SIGNATURE](text=texts)
+    probabilities = out["probabilities"].numpy()
+    single = loaded.signatures[SERVING_SIGNATURE](text=texts[:1])["probabilities"].numpy()
+    examples = [
+        tf.train.Example(
+            features=tf.train.Features(feature={"text": tf.train.Feature(bytes_list=tf.train.BytesList(value=[t.encode()]))})
+        ).SerializeToString()
+        for t in samples
+    ]
+    scores = loaded.signatures[CLASSIFY_SIGNATURE](inputs=tf.constant(examples))["scores"].numpy()
+    for what, value, reference in (
+        ("predictions", probabilities, expected),
+        ("a single review's prediction", single, expected[:1]),
+        ("classify scores", scores, expected),
+    ):
+        if not np.allclose(value, reference, rtol=0.0, atol=TOLERANCE):
+            raise ExportError(f"the saved model's {what} differ from the restored model's by {np.abs(value - reference).max():g}")
+    labels = [label.decode() for label in out["label"].numpy()]
+    return [Prediction(t, label, (float(p[0]), float(p[1]))) for t, label, p in zip(samples, labels, probabilities)]
+
+
+def export_model(config: ExportConfig) -> ExportResult:
+    """Export `config.checkpoint_dir`'s checkpoint to `config.model_dir/<version>`; see the module doc.
+
+    Raises ExportError (with nothing written) for a missing or empty run directory, a checkpoint
+    that does not match model.json, or a version that exists already.
+    """
+    run_dir, model_dir = Path(config.checkpoint_dir), Path(config.model_dir)
+    prefix, model_config = _check_run_dir(run_dir, config.checkpoint)
+    _check_shapes(prefix, model_config, run_dir / MODEL_FILE)
+    version = config.version if config.version is not None else next_version(model_dir)
+    final = model_dir / str(version)
+    if final.exists():
+        raise ExportError(f"{final} exists already: versions are never overwritten; pick another --version")
+    step, test_accuracy = _checkpoint_stats(run_dir, prefix)
+
+    module = build_serving_model(run_dir, config.checkpoint)
+    log.info("restored %s (step %s); writing %s", prefix, step, final)
+
+    created_model_dir = not model_dir.exists()
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tmp = model_dir / f"{TMP_PREFIX}{version}-{os.getpid()}"
+    try:
+        tf.saved_model.save(
+            module,
+            str(tmp),
+            signatures={
+                SERVING_SIGNATURE: module.serve.get_concrete_function(),
+                CLASSIFY_SIGNATURE: module.classify.get_concrete_function(),
+            },
+        )
+        _mark_classify(tmp)
+        extra = tmp / ASSETS_EXTRA
+        extra.mkdir()
+        _write_warmup(extra / WARMUP_FILE, model_dir.resolve().name, config.samples)
+        info = {
+            "checkpoint": str(Path(prefix).resolve()),
+            "step": step,
+            "test_accuracy": test_accuracy,
+            "model": json.loads((run_dir / MODEL_FILE).read_text()),
+            "vocabulary_size": len(module.vectorizer.get_vocabulary()),
+            "class_names": list(CLASS_NAMES),
+            "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (extra / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        samples = _verify(tmp, module, config.samples)
+        if final.exists():  # another exporter won the race; rename would replace an empty directory
+            raise ExportError(f"{final} appeared while exporting: versions are never overwritten")
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            raise ExportError(f"cannot move the export into {final}: {exc.strerror}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created_model_dir and not any(model_dir.iterdir()):
+            model_dir.rmdir()
+    log.info("exported version %d to %s", version, final)
+    return ExportResult(final, version, prefix, step, test_accuracy, samples)
+
+
+def describe_signatures(saved_model_dir: Path) -> str:
+    """The SavedModel's signatures, laid out like `saved_model_cli show --all`."""
+    from tensorflow.core.framework import types_pb2
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel.FromString((Path(saved_model_dir) / "saved_model.pb").read_bytes())
+    lines = []
+    for meta_graph in proto.meta_graphs:
+        tags = ", ".join(meta_graph.meta_info_def.tags)
+        lines.append(f"MetaGraphDef with tag-set: '{tags}' contains the following SignatureDefs:")
+        for key in sorted(meta_graph.signature_def):
+            if key.startswith("__"):
+                continue
+            signature = meta_graph.signature_def[key]
+            lines += ["", f"signature_def['{key}']:"]
+            for kind, tensors in (("input", signature.inputs), ("output", signature.outputs)):
+                lines.append(f"  The given SavedModel SignatureDef contains the following {kind}(s):")
+                for name in sorted(tensors):
+                    info = tensors[name]
+                    dims = [d.size for d in info.tensor_shape.dim]
+                    shape = f"({dims[0]})" if len(dims) == 1 else f"({', '.join(map(str, dims))})"
+                    lines += [
+                        f"    {kind}s['{name}'] tensor_info:",
+                        f"        dtype: {types_pb2.DataType.Name(info.dtype)}",
+                        f"        shape: {shape}",
+                        f"        name: {info.name}",
+                    ]
+            lines.append(f"  Method name is: {signature.method_name}")
+    return "\n".join(lines)
