@@ -14,13 +14,45 @@ def main(argv: list[str] | None = None) -> int:
     from common.cli import add_dataclass_arguments, dataclass_from_args
     from train.config import TrainConfig
 
+    from common.mesh import resolve_mesh_dims
+    from train.launch import ClusterError, check_client_mesh, launch_local, resolve_cluster
+
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
     add_dataclass_arguments(parser, TrainConfig)
+    parser.add_argument(
+        "--launch-local",
+        type=int,
+        metavar="N",
+        default=None,
+        help="run N clients of one mesh on this machine (127.0.0.1, free ports), forward their output "
+        "and stop them all if one fails; --devices stays the global device count",
+    )
+    # Unset cluster flags fall back to DTENSOR_JOBS / DTENSOR_CLIENT_ID (flags win).
+    parser.set_defaults(num_clients=None, client_id=None, jobs=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.launch_local is not None:
+        if args.launch_local < 1:
+            parser.error(f"--launch-local must be at least 1, got {args.launch_local}")
+        if args.num_clients is not None or args.client_id is not None or args.jobs is not None:
+            parser.error("--launch-local sets --num-clients/--client-id/--jobs itself; leave them out")
+        try:  # fail here, not N times in the clients
+            config = dataclass_from_args(TrainConfig, args, num_clients=args.launch_local, client_id=0, jobs=None)
+            dims = resolve_mesh_dims(config.mesh, config.strategy, config.devices)
+            check_client_mesh(dims, config.devices, config.num_clients)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return launch_local(args.launch_local, sys.argv[1:] if argv is None else argv)
     try:
-        config = dataclass_from_args(TrainConfig, args)
-    except ValueError as exc:
+        cluster = resolve_cluster(args.num_clients, args.client_id, args.jobs)
+        config = dataclass_from_args(
+            TrainConfig,
+            args,
+            num_clients=cluster.num_clients,
+            client_id=cluster.client_id,
+            jobs=",".join(cluster.jobs) or None,
+        )
+    except (ClusterError, ValueError) as exc:
         parser.error(str(exc))
 
     from train.data import DataError

@@ -236,9 +236,56 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 
 
 def build_mesh(config: TrainConfig) -> dtensor.Mesh:
-    device_type = meshlib.configure_devices(config.devices, config.device_type)
+    """The run's mesh: this process's devices, or one mesh over every client's (num_clients > 1).
+
+    Multi-client (DESIGN.md): the DTENSOR_* variables are set from the config, DTensor's runtime is
+    started with `devices / num_clients` devices in this process, and `create_distributed_mesh`
+    numbers devices client by client. Each client feeds its own interleaved share of every batch
+    (`mesh_iterator`), so every batch replica must live on one client (`check_client_mesh`).
+    """
+    from train.launch import ClusterError, check_client_mesh, export_cluster_env
+
     dims = meshlib.resolve_mesh_dims(config.mesh, config.strategy, config.devices)
-    return meshlib.build_mesh(dims, device_type)
+    try:
+        export_cluster_env(config.num_clients, config.client_id, config.jobs)
+    except ClusterError as exc:
+        raise meshlib.MeshError(str(exc)) from None
+    if config.num_clients == 1:
+        device_type = meshlib.configure_devices(config.devices, config.device_type)
+        return meshlib.build_mesh(dims, device_type)
+
+    n = config.num_clients
+    try:
+        check_client_mesh(dims, config.devices, n)
+    except ClusterError as exc:
+        raise meshlib.MeshError(str(exc)) from None
+    per_client = config.devices // n
+    gpus = tf.config.list_physical_devices("GPU")
+    device_type = "GPU" if config.device_type == "GPU" or (config.device_type == "auto" and gpus) else "CPU"
+    if device_type == "GPU":
+        if len(gpus) < per_client:
+            raise meshlib.MeshError(
+                f"--devices {config.devices} on {n} clients needs {per_client} GPU(s) per client, this one sees {len(gpus)}"
+            )
+        # The first GPUs this process sees; clients sharing a host need their own CUDA_VISIBLE_DEVICES.
+        tf.config.set_visible_devices(gpus[:per_client], "GPU")
+    try:
+        dtensor.initialize_accelerator_system(
+            device_type, num_logical_cpu_devices=per_client if device_type == "CPU" else None
+        )
+    except ValueError as exc:
+        if "already been initialized" not in str(exc) or "Accelerator" not in str(exc):
+            raise meshlib.MeshError(
+                f"multi-client training must start DTensor before TensorFlow runs anything; run it in a "
+                f"fresh process ({exc})"
+            ) from None
+        # DTensor already started in this process (a second train() call): reuse it.
+    if dtensor.num_clients() != n or dtensor.num_local_devices(device_type) != per_client:
+        raise meshlib.MeshError(
+            f"this process already runs {dtensor.num_clients()} client(s) x "
+            f"{dtensor.num_local_devices(device_type)} {device_type} device(s), not {n} x {per_client}"
+        )
+    return dtensor.create_distributed_mesh(dims, device_type=device_type)
 
 
 def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
