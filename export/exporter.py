@@ -136,6 +136,15 @@ def _check_run_dir(run_dir: Path, checkpoint: str | None) -> tuple[str, ModelCon
         model_config = ModelConfig.load(run_dir / MODEL_FILE)
     except (ValueError, TypeError) as exc:
         raise ExportError(f"{run_dir / MODEL_FILE} is not a valid model config: {exc}") from None
+    try:
+        vocabulary_tokens = json.loads((run_dir / VOCABULARY_FILE).read_text(encoding="utf-8"))["max_tokens"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ExportError(f"{run_dir / VOCABULARY_FILE} is not a valid vocabulary file: {exc!r}") from None
+    if vocabulary_tokens != model_config.max_tokens:
+        raise ExportError(
+            f"{run_dir / VOCABULARY_FILE} has max_tokens {vocabulary_tokens} but {run_dir / MODEL_FILE} "
+            f"has {model_config.max_tokens}: they come from different runs"
+        )
     return prefix, model_config
 
 

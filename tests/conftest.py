@@ -19,6 +19,34 @@ configure_devices(TEST_DEVICES, "CPU")
 
 MODEL_NAME = "sentiment"
 
+# A tiny but real training run, shared by the export tests and the serving tests' model versions.
+TINY_TRAIN = dict(limit=1000, max_tokens=256, hidden=16, epochs=2, batch_size=32, learning_rate=1e-2,
+                  devices=4, strategy="model", progress=False)
+_RUNS: dict[int, Path] = {}
+
+
+def trained_run_dir(seed: int = 0) -> Path:
+    """A run directory trained with TINY_TRAIN and `seed`, trained once per session and cached."""
+    if seed not in _RUNS:
+        import atexit
+        import tempfile
+
+        from train.config import TrainConfig
+        from train.trainer import train
+
+        root = Path(tempfile.mkdtemp(prefix=f"sentiment-run{seed}-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        train(TrainConfig(run_dir=str(root / "run"), seed=seed, **TINY_TRAIN))
+        _RUNS[seed] = root / "run"
+    return _RUNS[seed]
+
+
+@pytest.fixture(scope="session")
+def trained_run() -> Path:
+    """A tiny trained run directory (checkpoints sharded over a batch=2,model=2 mesh). Read-only:
+    copy it before changing anything in it."""
+    return trained_run_dir(0)
+
 
 def add_model_version(model_base: Path, version: int) -> Path:
     """Write version `version` of the model into `model_base` atomically; returns its directory.
