@@ -1,5 +1,5 @@
-"""Shared fixtures. The serving tests get their SavedModel from `model_base` (one place to
-switch from the stand-in builder to the real exporter)."""
+"""Shared fixtures. The serving tests get their SavedModel from `model_base`: tiny real training
+runs exported with `export.export_model`."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ configure_devices(TEST_DEVICES, "CPU")
 MODEL_NAME = "sentiment"
 
 # A tiny but real training run, shared by the export tests and the serving tests' model versions.
-TINY_TRAIN = dict(limit=1000, max_tokens=256, hidden=16, epochs=2, batch_size=32, learning_rate=1e-2,
-                  devices=4, strategy="model", progress=False)
+# A model-parallel mesh, so export has to gather sharded variables; 2 devices keep it quick on 2 cores.
+TINY_TRAIN = dict(limit=1000, max_tokens=512, hidden=16, epochs=2, batch_size=32, learning_rate=1e-2,
+                  devices=2, mesh="batch=1,model=2", progress=False)
 _RUNS: dict[int, Path] = {}
 
 
@@ -43,20 +44,22 @@ def trained_run_dir(seed: int = 0) -> Path:
 
 @pytest.fixture(scope="session")
 def trained_run() -> Path:
-    """A tiny trained run directory (checkpoints sharded over a batch=2,model=2 mesh). Read-only:
+    """A tiny trained run directory (checkpoints sharded over a model=2 mesh). Read-only:
     copy it before changing anything in it."""
     return trained_run_dir(0)
 
 
 def add_model_version(model_base: Path, version: int) -> Path:
-    """Write version `version` of the model into `model_base` atomically; returns its directory.
+    """Export version `version` of the real model into `model_base` (`python -m export`'s library call:
+    temp dir + rename, so a polling server never sees half a version); returns its directory.
 
-    Each version has different weights (seeded by the version number).
-    TODO(export): switch to the real exporter (`python -m export`) once it lands.
+    Versions alternate between two tiny runs trained with different seeds (version v comes from seed
+    v % 2), so neighbouring versions have different weights.
     """
-    from standin_model import build_standin
+    from export import ExportConfig, export_model
 
-    return build_standin(model_base, version)
+    config = ExportConfig(checkpoint_dir=str(trained_run_dir(version % 2)), model_dir=str(model_base), version=version)
+    return export_model(config).path
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 
 from common.model import CLASS_NAMES
+from conftest import TINY_TRAIN
+
+TOKENS = TINY_TRAIN["max_tokens"]
 
 TEXTS = [
     "a great and wonderful movie, brilliant acting",
@@ -235,8 +238,9 @@ def _run_copy(trained_run: Path, dest: Path) -> Path:
     ("no checkpoints", r"has no checkpoints"),
     ("unknown name", r"checkpoint 'ckpt-999' not found"),
     ("no vocabulary", r"vocabulary.json is missing"),
-    ("incompatible shape", r"does not match .*model\.json: model/dense1_kernel has shape \[256, 16\] in the checkpoint but \[256, 8\]"),
-    ("other vocabulary", r"vocabulary.json has max_tokens 256 but .*model.json has 128"),
+    ("incompatible shape",
+     rf"does not match .*model\.json: model/dense1_kernel has shape \[{TOKENS}, 16\] in the checkpoint but \[{TOKENS}, 8\]"),
+    ("other vocabulary", rf"vocabulary.json has max_tokens {TOKENS} but .*model.json has 128"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_nothing(trained_run, tmp_path, case, message):
     from export import ExportError
