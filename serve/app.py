@@ -22,6 +22,7 @@ from serve.errors import InvalidArgument, NotFound, ServingError, TooLarge
 from serve.metrics import CONTENT_TYPE_LATEST
 from serve.models import CLASSIFY_METHOD, REGRESS_METHOD
 from serve.openapi import openapi_spec
+from serve.web import web
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("serve.access")
@@ -207,7 +208,7 @@ def create_app(config: ServeConfig, core: ServingCore | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     state = AppState(config, core)
     app.extensions["serve"] = state
-    for blueprint in (tfserving, friendly, health, monitoring, docs):
+    for blueprint in (tfserving, friendly, health, monitoring, docs, web):
         app.register_blueprint(blueprint)
     app.wsgi_app = _CaseInsensitivePrefix(app.wsgi_app, state)
 
