@@ -228,8 +228,6 @@ def create_app(config: ServeConfig, core: ServingCore | None = None) -> Flask:
                                 request.full_path.rstrip("?"), response.status_code, elapsed * 1e3)
         if config.cors_origins:
             _add_cors(response, config.cors_origins)
-        if core.draining:
-            response.headers["Connection"] = "close"  # let keep-alive clients go during drain
         return response
 
     @app.errorhandler(ServingError)

@@ -54,12 +54,17 @@ class Batcher:
         overload_status: int = 429,
         on_batch: Callable[[int, int, float], None] | None = None,
         arriving: Callable[[], int] | None = None,
+        pad_single_row: bool = True,
     ) -> None:
         """`on_batch(rows, requests, seconds)` is called after every model call (for metrics).
 
         `arriving()`, if given, counts requests received by a frontend but not yet submitted. A
         batch then waits for more only while some are on their way: a lone request runs at once
         instead of paying `batch_timeout_s`, and under load the batch still fills up.
+
+        `pad_single_row` runs a 1-row call as 2 rows (the row repeated). CPU matmul kernels for
+        one row (GEMV) round differently from those for several (GEMM); with the pad every
+        response is bit-identical whichever batch it was merged into.
         """
         self.max_batch_size = max_batch_size
         self.batch_timeout_s = batch_timeout_s
@@ -67,6 +72,7 @@ class Batcher:
         self.overload_status = overload_status
         self._on_batch = on_batch
         self._arriving = arriving
+        self._pad = pad_single_row
         self._cv = threading.Condition(threading.Lock())
         self._queue: collections.deque[_Task] = collections.deque()
         self._queued_rows = 0
@@ -166,6 +172,8 @@ class Batcher:
         else:
             merged = {name: np.concatenate([t.inputs[name] for t in batch]) for name in batch[0].inputs}
         rows = sum(t.rows for t in batch)
+        if rows == 1 and self._pad:
+            merged = {name: np.concatenate([value, value]) for name, value in merged.items()}
         start = time.perf_counter()
         try:
             outputs = runner(merged)

@@ -24,6 +24,9 @@ class ServeConfig:
     port: int = 8501
     """REST port (TF Serving's default REST port)."""
 
+    grpc_port: int = 0
+    """gRPC port for TF Serving's PredictionService/ModelService (TF Serving uses 8500); 0: no gRPC."""
+
     threads: int = 64
     """WSGI worker threads; requests wait for the batcher in these, so keep it >= max_batch_size."""
 
@@ -53,6 +56,10 @@ class ServeConfig:
 
     num_batch_threads: int = 1
     """Threads taking batches from the queue and calling the model."""
+
+    pad_single_row: bool = True
+    """Run 1-row model calls as 2 rows so results are bit-identical batched or not (CPU matmul
+    kernels for one row round differently); costs next to nothing."""
 
     request_timeout_s: float = 10.0
     """Per-request deadline for queueing plus the model call; past it the request fails with 504."""
@@ -108,6 +115,8 @@ class ServeConfig:
             raise ValueError(f"overload_status={self.overload_status}: must be 429 or 503")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port}: must be in 0..65535")
+        if not 0 <= self.grpc_port <= 65535:
+            raise ValueError(f"grpc_port={self.grpc_port}: must be in 0..65535 (0: no gRPC server)")
 
     def replace(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)

@@ -62,6 +62,7 @@ class ServingCore:
             overload_status=config.overload_status,
             on_batch=self.metrics.observe_batch,
             arriving=lambda: self._arriving,
+            pad_single_row=config.pad_single_row,
         )
         self.metrics.queued_rows.set_function(lambda: self.batcher.queued_rows)
         self._draining = threading.Event()

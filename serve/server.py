@@ -13,6 +13,7 @@ import threading
 import time
 
 from waitress import wasyncore
+from waitress.channel import HTTPChannel
 from waitress.server import create_server
 
 from serve.app import create_app
@@ -41,9 +42,14 @@ def serve(config: ServeConfig, core: ServingCore | None = None) -> int:
         ident="sentiment-serve",
         clear_untrusted_proxy_headers=True,
     )
-    host, port = server.getsockname()[:2]
-    log.info("serving model %r from %s on http://%s:%d (REST, %d threads)",
-             config.model_name, config.model_dir, host, port, config.threads)
+    log.info("serving model %r from %s on http://%s:%s (REST, %d threads)",
+             config.model_name, config.model_dir, server.effective_host, server.effective_port, config.threads)
+
+    grpc_server = None
+    if config.grpc_port:  # TF Serving's gRPC API on the same core (models, versions, batcher)
+        from serve.grpc_server import GrpcServer
+
+        grpc_server = GrpcServer(config, core).start()
 
     stop = threading.Event()
 
@@ -61,15 +67,20 @@ def serve(config: ServeConfig, core: ServingCore | None = None) -> int:
 
     # Drain: stop accepting, finish received requests, flush their responses.
     core.begin_drain()
+    grpc_stopped = grpc_server.stop(config.drain_timeout_s) if grpc_server else None  # drains concurrently
     server.accepting = False
     server.del_channel()
     server.socket.close()
     deadline = time.monotonic() + config.drain_timeout_s
     while time.monotonic() < deadline:
-        busy = state.in_flight > 0 or any(
-            getattr(ch, "requests", None) or getattr(ch, "total_outbufs_len", 0)
-            for ch in list(socket_map.values())
-        )
+        busy = state.in_flight > 0
+        for channel in list(socket_map.values()):
+            if not isinstance(channel, HTTPChannel):
+                continue
+            if channel.requests or channel.total_outbufs_len:
+                busy = True
+            else:
+                channel.will_close = True  # idle keep-alive connection: close it, don't take more work
         if not busy:
             break
         wasyncore.loop(timeout=timeout, map=socket_map, count=1)
@@ -77,6 +88,8 @@ def serve(config: ServeConfig, core: ServingCore | None = None) -> int:
         log.warning("drain timeout: %d request(s) still in flight", state.in_flight)
     server.task_dispatcher.shutdown(cancel_pending=True, timeout=1)
     wasyncore.close_all(socket_map)
+    if grpc_stopped is not None and not grpc_stopped.wait(config.drain_timeout_s + 1):
+        log.warning("gRPC drain timeout")
     core.close()
     log.info("shut down cleanly")
     return 0

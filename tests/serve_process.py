@@ -43,8 +43,8 @@ class ServerProcess:
             try:
                 if requests.get(self.url + "/readyz", timeout=1).status_code == 200:
                     return
-            except requests.ConnectionError:
-                pass
+            except requests.RequestException:
+                pass  # not listening yet, or busy loading
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")

@@ -275,3 +275,13 @@ def test_batcher_does_not_wait_when_nobody_else_is_arriving():
         assert time.monotonic() - start < 0.5
     finally:
         batcher.close()
+
+
+def test_batcher_pads_single_rows_and_returns_one():
+    model = Doubler()
+    batcher = Batcher(max_batch_size=8, batch_timeout_s=0)
+    try:
+        out = batcher.submit(model, {"x": np.array([21])}, time.monotonic() + 5)
+    finally:
+        batcher.close()
+    assert model.calls == [2] and out["y"].tolist() == [42]
