@@ -1,0 +1,191 @@
+"""The web page at `GET /`: routes through `app.test_client()`, then headless Chromium driving the
+page against a real `python -m serve` process (Debian's /usr/bin/chromium; no browser download)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+from playwright.sync_api import Page, expect, sync_playwright
+
+from conftest import MODEL_NAME
+from serve import ServeConfig, ServingCore, create_app
+from serve_process import REPO, ServerProcess
+
+CHROMIUM = "/usr/bin/chromium"
+# Without the background-networking flags Chromium keeps calling Google services on a closed network.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# Python's mimetypes says text/javascript, or application/javascript where /etc/mime.types does.
+ASSETS = {"/ui/app.js": ("text/javascript", "application/javascript"), "/ui/style.css": ("text/css",)}
+# Strong reviews in the bundled corpus's vocabulary: the tiny test model scores them > 0.99. (It calls
+# "A boring, awful mess. I hated every minute." positive: "hated" is not in the corpus, and "every
+# minute" comes from the positive phrase "I loved every minute of it".)
+POSITIVE = "A brilliant, moving film with superb acting. Highly recommended."
+NEGATIVE = "An awful, boring, tedious mess. I want those two hours back."
+MAX_TEXT_BYTES = 1000
+
+expect.set_options(timeout=20_000)  # two shared CPU cores: be patient, the checks are exact anyway
+
+
+# -- routes --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def make_client(model_base):
+    """Factory: (config overrides) -> test client. The page needs no loaded model."""
+    cores = []
+
+    def make(**overrides):
+        config = ServeConfig(model_dir=str(model_base), poll_interval_s=0, **overrides)
+        cores.append(ServingCore(config))
+        return create_app(config, cores[-1]).test_client()
+
+    yield make
+    for core in cores:
+        core.close()
+
+
+def test_page_and_assets_are_local(make_client):
+    client = make_client()
+    page = client.get("/")
+    assert page.status_code == 200 and page.mimetype == "text/html"
+    html = page.get_data(as_text=True)
+    assert f'data-model="{MODEL_NAME}"' in html
+    assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+    assert set(re.findall(r'(?:src|href)="([^"]+)"', html)) == {"ui/app.js", "ui/style.css", "data:,"}
+    for path, mimetypes in ASSETS.items():
+        r = client.get(path)
+        assert r.status_code == 200 and r.mimetype in mimetypes, (path, r.status_code, r.mimetype)
+        assert r.get_data(as_text=True).strip()
+    for path, body in [("/", html), *((p, client.get(p).get_data(as_text=True)) for p in ASSETS)]:
+        assert not re.findall(r"(?:https?:)?//[\w.-]+\.\w", body), f"{path} refers to another host"
+
+
+def test_model_name_is_escaped(make_client):
+    html = make_client(model_name='a"<b>').get("/").get_data(as_text=True)
+    assert 'data-model="a&#34;&lt;b&gt;"' in html and "<b>" not in html
+
+
+@pytest.mark.parametrize("path", ["/ui/nope.js", "/ui/../app.py"])
+def test_unknown_asset_is_404(make_client, path):
+    assert make_client().get(path).status_code == 404
+
+
+# -- the page in headless Chromium -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(model_base):
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--max-text-bytes", str(MAX_TEXT_BYTES))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} not found: the web page tests drive Debian's headless Chromium; "
+                    "install it with `apt-get install chromium` (.ci/run does)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def console_errors() -> list[str]:
+    """The page's console errors and uncaught exceptions (a CSP violation would show here)."""
+    return []
+
+
+@pytest.fixture
+def page(browser, server, console_errors):
+    """A fresh page on the server's `/`, loaded and showing the model version and health."""
+    context = browser.new_context(viewport={"width": 900, "height": 760})
+    try:
+        page = context.new_page()
+        page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
+        page.on("pageerror", lambda exc: console_errors.append(str(exc)))
+        page.goto(server.url + "/")
+        expect(page.locator("#model-name")).to_have_text(MODEL_NAME)
+        expect(page.locator("#model-version")).to_have_text("version 1")
+        expect(page.locator("#health-text")).to_have_text("ready")
+        yield page
+    finally:
+        context.close()
+
+
+def _screenshot(page: Page, name: str, tmp_path) -> None:
+    artifacts = REPO / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    page.screenshot(path=tmp_path / name, full_page=True)
+    shutil.copy(tmp_path / name, artifacts / name)
+
+
+@pytest.mark.slow
+def test_predict_renders_labels_and_bars(page, console_errors, tmp_path):
+    page.get_by_label("Reviews, one per line").fill(f"{POSITIVE}\n\n  {NEGATIVE}  \n")
+    page.get_by_role("button", name="Predict").click()
+    results = page.locator("#results .result")
+    expect(results).to_have_count(2)
+    expect(results.locator(".label")).to_have_text(["positive", "negative"])
+    expect(results.locator(".text")).to_have_text([POSITIVE, NEGATIVE])
+    expect(page.locator("#results-meta")).to_contain_text("2 reviews, version 1")
+    expect(page.locator("#error")).to_be_hidden()
+    for i in range(2):
+        pct = float(results.nth(i).locator(".pct").inner_text().rstrip("%"))
+        bar = results.nth(i).locator(".bar").bounding_box()
+        fill = results.nth(i).locator(".fill").bounding_box()
+        assert pct > 90 and bar["width"] > 50
+        assert fill["width"] / bar["width"] == pytest.approx(pct / 100, abs=0.02)
+    _screenshot(page, "web_page.png", tmp_path)
+
+    # Ctrl+Enter submits too, and a narrow window needs no sideways scrolling.
+    page.set_viewport_size({"width": 360, "height": 740})
+    page.get_by_label("Reviews, one per line").fill(NEGATIVE)
+    page.get_by_label("Reviews, one per line").press("Control+Enter")
+    expect(results.locator(".label")).to_have_text(["negative"])
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    _screenshot(page, "web_page_narrow.png", tmp_path)
+    assert console_errors == []
+
+
+@pytest.mark.slow
+def test_errors_are_shown_in_words(page, console_errors, tmp_path):
+    reviews = page.get_by_label("Reviews, one per line")
+    predict = page.get_by_role("button", name="Predict")
+    error = page.get_by_role("alert")
+    results = page.locator("#results .result")
+
+    reviews.fill(POSITIVE)
+    predict.click()
+    expect(results).to_have_count(1)
+
+    reviews.fill(" \n\n")
+    predict.click()
+    expect(error).to_have_text("Type or paste at least one review, one per line.")
+    expect(results).to_have_count(0)  # old results cleared, so they can't pass for answers
+
+    reviews.fill("x" * (MAX_TEXT_BYTES + 1))  # the server's 400, word for word
+    predict.click()
+    expect(error).to_have_text(f"The server answered 400: texts[0]: text is {MAX_TEXT_BYTES + 1} bytes, "
+                               f"more than the limit of {MAX_TEXT_BYTES}")
+    assert len(console_errors) == 1 and "status of 400" in console_errors[0], console_errors  # only the 400 itself
+
+    # The network fails: the error says so and the health line turns to "unreachable" at once.
+    page.route("**/readyz", lambda route: route.abort())
+    page.route("**/v1/sentiment", lambda route: route.abort())
+    reviews.fill(POSITIVE)
+    predict.click()
+    expect(error).to_have_text(re.compile(r"^Could not reach the server \(.+\)\.$"))
+    expect(page.locator("#health-text")).to_have_text("server unreachable")
+    _screenshot(page, "web_page_errors.png", tmp_path)
+
+    page.unroute_all()
+    reviews.fill(POSITIVE)
+    predict.click()
+    expect(results.locator(".label")).to_have_text(["positive"])
+    expect(error).to_be_hidden()
