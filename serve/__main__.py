@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     p.add_argument("--model-name", default="", help="name in /v1/models/NAME (default: base name of --model-dir)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="TF Serving gRPC API port (e.g. 8500); 0: off")
     p.add_argument("--threads", type=int, default=d.threads, help="WSGI worker threads")
     p.add_argument("--connection-limit", type=int, default=d.connection_limit)
     p.add_argument("--version-policy", choices=["latest", "all", "specific"], default=d.version_policy)
@@ -55,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return ServeConfig(
-            model_dir=a.model_dir, model_name=a.model_name, host=a.host, port=a.port, threads=a.threads,
+            model_dir=a.model_dir, model_name=a.model_name, host=a.host, port=a.port, grpc_port=a.grpc_port, threads=a.threads,
             connection_limit=a.connection_limit, version_policy=a.version_policy, versions=a.versions,
             version_labels=a.version_labels, poll_interval_s=a.poll_interval, max_batch_size=a.max_batch_size,
             batch_timeout_s=a.batch_timeout_ms / 1e3, max_queued_rows=a.max_queued_rows,
