@@ -1,0 +1,27 @@
+"""Python client of the sentiment model behind TF Serving's REST or gRPC API.
+
+    from client import SentimentClient
+
+    client = SentimentClient("http://localhost:8501", model="sentiment")
+    client.predict(["great movie"])  # [Prediction(text='great movie', label='positive', score=0.97, ...)]
+
+The REST transport (the default) needs only `requests`; `transport="grpc"` imports TensorFlow.
+"""
+
+import logging
+
+from client.client import ModelVersionStatus, Prediction, SentimentClient
+from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, ModelNotFound, ServerUnavailable
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = [
+    "SentimentClient",
+    "Prediction",
+    "ModelVersionStatus",
+    "ClientError",
+    "ModelNotFound",
+    "InvalidInput",
+    "ServerUnavailable",
+    "DeadlineExceeded",
+]

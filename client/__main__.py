@@ -1,0 +1,82 @@
+"""`python -m client "great movie" "dull plot" [--file reviews.txt] [--url URL] [--json]`
+
+Prints one line per text: label, score (probability of the label) and the text, tab-separated;
+`--json` prints a JSON array of {text, label, score, probabilities} instead.
+Exit status: 0 ok, 1 the request failed (invalid input, unknown model, deadline, server
+error), 2 usage error, 3 the server is down or unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+from client import ClientError, SentimentClient, ServerUnavailable
+
+EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m client", description="Sentiment of texts from a TF-Serving-compatible server.")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to classify")
+    p.add_argument("--file", help="read texts from this file, one per line ('-': stdin); blank lines are skipped")
+    p.add_argument("--url", default=os.environ.get("SENTIMENT_URL"),
+                   help="server: http://host:8501 (REST, default) or host:8500 with --transport grpc "
+                        "(default: $SENTIMENT_URL, else localhost)")
+    p.add_argument("--model", default=os.environ.get("SENTIMENT_MODEL", "sentiment"), help="model name (default: sentiment)")
+    p.add_argument("--transport", choices=["rest", "grpc"], default="rest")
+    p.add_argument("--version", type=int, default=None, help="model version (default: latest)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default: 10)")
+    p.add_argument("--retries", type=int, default=3, help="retries on 429/503/connection errors (default: 3)")
+    p.add_argument("--batch-size", type=int, default=64, help="texts per request (default: 64)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="first wait until the model is ready")
+    p.add_argument("--json", action="store_true", help="print a JSON array instead of text lines")
+    p.add_argument("-v", "--verbose", action="store_true", help="log retries")
+    args = p.parse_args(argv)
+    if args.file:
+        try:
+            stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
+            with stream:
+                args.texts += [line.rstrip("\r\n") for line in stream if line.strip()]
+        except OSError as exc:
+            p.error(f"--file {args.file}: {exc.strerror or exc}")
+    if not args.texts:
+        p.error("no texts: give TEXT arguments or --file PATH")
+    if args.url is None:
+        args.url = "localhost:8500" if args.transport == "grpc" else "http://localhost:8501"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        with SentimentClient(args.url, args.model, transport=args.transport, version=args.version,
+                             timeout=args.timeout, retries=args.retries, batch_size=args.batch_size) as client:
+            if args.wait > 0:
+                client.wait_until_ready(args.wait)
+            predictions = client.predict(args.texts)
+    except ServerUnavailable as exc:
+        print(f"error: server unavailable: {exc}\n(is the server running at {args.url}?)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except ClientError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except ValueError as exc:  # bad --url and the like
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        json.dump([dataclasses.asdict(p) for p in predictions], sys.stdout, ensure_ascii=False)
+        print()
+    else:
+        for p in predictions:
+            print(f"{p.label}\t{p.score:.4f}\t{p.text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
