@@ -76,8 +76,9 @@ def test_unknown_asset_is_404(make_client, path):
 # -- the page in headless Chromium -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(model_base):
-    srv = ServerProcess(model_base, "--poll-interval", "0", "--max-text-bytes", str(MAX_TEXT_BYTES))
+def server(model_base, tmp_path_factory):
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--max-text-bytes", str(MAX_TEXT_BYTES),
+                        log_path=tmp_path_factory.mktemp("web") / "serve.log")
     yield srv
     assert srv.stop() == 0, srv.log()
 
