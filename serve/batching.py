@@ -76,6 +76,7 @@ class Batcher:
         self._cv = threading.Condition(threading.Lock())
         self._queue: collections.deque[_Task] = collections.deque()
         self._queued_rows = 0
+        self._busy = 0  # model calls running (worker batches and inline calls)
         self._closing = False
         self._threads = [
             threading.Thread(target=self._work, name=f"batcher-{i}", daemon=True) for i in range(num_threads)
@@ -99,10 +100,27 @@ class Batcher:
                     f"server overloaded: {self._queued_rows} rows queued (max {self.max_queued_rows}); retry later",
                     self.overload_status,
                 )
-            self._queue.append(task)
-            self._queued_rows += rows
-            self._cv.notify()
-        if not task.done.wait(max(0.0, deadline - time.monotonic())):
+            inline = (
+                self._arriving is not None and not self._queue and self._busy == 0 and self._arriving() <= 0
+            )
+            if inline:
+                self._busy += 1
+            else:
+                self._queue.append(task)
+                self._queued_rows += rows
+                self._cv.notify()
+        if inline:
+            # Idle model and nobody else on the way: run in the caller's thread, saving two
+            # thread hand-offs. Requests arriving meanwhile queue for the worker as usual.
+            try:
+                self._run([task])
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify()
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded("deadline exceeded before the model call completed")
+        elif not task.done.wait(max(0.0, deadline - time.monotonic())):
             task.abandoned = True
             raise DeadlineExceeded("deadline exceeded before the model call completed")
         if task.error is not None:
@@ -128,6 +146,7 @@ class Batcher:
                 self._cv.wait()
             first = self._queue.popleft()
             self._queued_rows -= first.rows
+            self._busy += 1
             batch, rows = [first], first.rows
             close_at = time.monotonic() + self.batch_timeout_s
             while rows < self.max_batch_size:
@@ -162,8 +181,12 @@ class Batcher:
                     task.done.set()
                 else:
                     live.append(task)
-            if live:
-                self._run(live)
+            try:
+                if live:
+                    self._run(live)
+            finally:
+                with self._cv:
+                    self._busy -= 1
 
     def _run(self, batch: list[_Task]) -> None:
         runner = batch[0].runner

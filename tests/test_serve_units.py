@@ -285,3 +285,18 @@ def test_batcher_pads_single_rows_and_returns_one():
     finally:
         batcher.close()
     assert model.calls == [2] and out["y"].tolist() == [42]
+
+
+def test_batcher_runs_a_lone_request_in_the_callers_thread():
+    threads = []
+
+    def runner(inputs):
+        threads.append(threading.current_thread())
+        return {"y": inputs["x"] * 2}
+
+    batcher = Batcher(max_batch_size=8, batch_timeout_s=1.0, arriving=lambda: 0)
+    try:
+        out = batcher.submit(runner, {"x": np.array([1])}, time.monotonic() + 5)
+    finally:
+        batcher.close()
+    assert threads == [threading.current_thread()] and out["y"].tolist() == [2]
