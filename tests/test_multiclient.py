@@ -249,4 +249,4 @@ def test_launcher_forwards_sigterm_to_clients(tmp_path: Path) -> None:
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "[client 0] got SIGTERM" in out and "[client 1] got SIGTERM" in out
-    assert "stopped by SIGTERM" in err
+    assert "stopped by SIGTERM (client 0: exit code 143, client 1: exit code 143)" in err

@@ -220,6 +220,15 @@ def _split_keep(data: bytes) -> list[bytes]:
     return parts
 
 
+def _wait(procs: Sequence[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
+
+
 def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
     """SIGTERM every live client, then SIGKILL what is still running after `grace` seconds."""
     for proc in procs:
@@ -289,16 +298,20 @@ def run_clients(
             time.sleep(0.1)
         if failed is not None:
             k, code = failed
+            if received:  # every client got the signal: let them checkpoint and exit within `grace`
+                _wait(procs, grace)
             still_running = [i for i, proc in enumerate(procs) if proc.poll() is None]
             _stop(procs, grace)
             for thread in threads:
                 thread.join(timeout=5)
             if received:
-                reason = f"stopped by {signal.Signals(received[0]).name}"
+                codes = ", ".join(f"client {i}: {_describe(p.returncode)}" for i, p in enumerate(procs))
+                message = f"stopped by {signal.Signals(received[0]).name} ({codes})"
             else:
-                reason = f"client {k} failed with {_describe(code)}"
-            stopped = f"; stopped client(s) {', '.join(map(str, still_running))}" if still_running else ""
-            print(f"launch: {reason}{stopped}", file=sys.stderr, flush=True)
+                message = f"client {k} failed with {_describe(code)}"
+                if still_running:
+                    message += f"; stopped client(s) {', '.join(map(str, still_running))}"
+            print(f"launch: {message}", file=sys.stderr, flush=True)
             return 128 - code if code < 0 else code
         for thread in threads:
             thread.join(timeout=5)
@@ -311,7 +324,9 @@ def run_clients(
             signal.signal(sig, old)
 
 
-def _describe(code: int) -> str:
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "still running"
     if code < 0:
         return f"signal {signal.Signals(-code).name}"
     return f"exit code {code}"
