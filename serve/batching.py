@@ -76,7 +76,8 @@ class Batcher:
         self._cv = threading.Condition(threading.Lock())
         self._queue: collections.deque[_Task] = collections.deque()
         self._queued_rows = 0
-        self._busy = 0  # model calls running (worker batches and inline calls)
+        self._busy = 0  # model calls running (worker batches and inline calls), at most num_threads
+        self._num_threads = num_threads
         self._closing = False
         self._threads = [
             threading.Thread(target=self._work, name=f"batcher-{i}", daemon=True) for i in range(num_threads)
@@ -101,7 +102,10 @@ class Batcher:
                     self.overload_status,
                 )
             inline = (
-                self._arriving is not None and not self._queue and self._busy == 0 and self._arriving() <= 0
+                self._arriving is not None
+                and not self._queue
+                and self._busy < self._num_threads
+                and self._arriving() <= 0
             )
             if inline:
                 self._busy += 1
@@ -117,7 +121,7 @@ class Batcher:
             finally:
                 with self._cv:
                     self._busy -= 1
-                    self._cv.notify()
+                    self._cv.notify_all()
             if time.monotonic() > deadline:
                 raise DeadlineExceeded("deadline exceeded before the model call completed")
         elif not task.done.wait(max(0.0, deadline - time.monotonic())):
@@ -140,8 +144,10 @@ class Batcher:
 
     def _take_batch(self) -> list[_Task] | None:
         with self._cv:
-            while not self._queue:
-                if self._closing:
+            # An inline call holds a model slot too: wait for a free one, so at most
+            # num_threads model calls run at once and the queue bound stays meaningful.
+            while not self._queue or self._busy >= self._num_threads:
+                if self._closing and not self._queue:
                     return None
                 self._cv.wait()
             first = self._queue.popleft()

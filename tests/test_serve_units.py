@@ -300,3 +300,38 @@ def test_batcher_runs_a_lone_request_in_the_callers_thread():
     finally:
         batcher.close()
     assert threads == [threading.current_thread()] and out["y"].tolist() == [2]
+
+
+def test_inline_call_holds_the_model_slot():
+    """A runs inline; B must queue behind it (not run concurrently), so C finds the queue full."""
+    active, peak = [0], [0]
+
+    def runner(inputs):
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+        time.sleep(0.3)
+        active[0] -= 1
+        return {"y": inputs["x"]}
+
+    batcher = Batcher(max_batch_size=1, batch_timeout_s=0, max_queued_rows=1, arriving=lambda: 0)
+    results = {}
+
+    def call(name):
+        try:
+            results[name] = batcher.submit(runner, {"x": np.array([1])}, time.monotonic() + 5)
+        except errors.ServingError as exc:
+            results[name] = exc
+
+    try:
+        threads = []
+        for name in "AB":
+            threads.append(threading.Thread(target=call, args=(name,)))
+            threads[-1].start()
+            time.sleep(0.05)
+        call("C")
+        for t in threads:
+            t.join()
+    finally:
+        batcher.close()
+    assert isinstance(results["C"], errors.Overloaded)
+    assert isinstance(results["A"], dict) and isinstance(results["B"], dict) and peak[0] == 1
