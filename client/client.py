@@ -74,7 +74,8 @@ class _Transport(Protocol):
 
 
 class SentimentClient:
-    """Client of one model on one server. Thread-safe; reuse one instance (it pools connections).
+    """Client of one model on one server. Reuse one instance: it pools connections (up to
+    `pool_size`, shared by threads calling it concurrently).
 
     url: `http://host:8501` for REST, `host:8500` (or `grpc://host:8500`) for gRPC.
     model: the model name (`/v1/models/NAME`); version / version_label pin a version (default: latest).

@@ -230,20 +230,32 @@ def test_metrics_count_grpc_calls(server, stub):
 
 # -- deadline, overload and drain on a slow model ------------------------------------------------
 
+def warm_up(stub) -> None:
+    """Connect and make the first (slowest) model call; on a busy machine it may miss its deadline."""
+    for _ in range(3):
+        try:
+            stub.Predict(predict_request(["warm up"]), timeout=20)
+            return
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+    raise AssertionError("the slow server never answered in time")
+
+
 def test_deadline_overload_and_drain(model_base):
-    """Every model call takes 1 s, requests time out after 1.5 s, and only 1 row may wait in the queue
+    """Every model call takes 2 s, requests time out after 3 s, and only 1 row may wait in the queue
     (batches of 1 row, so A and B are never merged).
 
-    t=0.0 A runs alone (done at 1.0: OK, even though SIGTERM arrives at 0.7: drain waits for it);
-    t=0.3 B waits for A, runs 1.0-2.0, past its deadline: DEADLINE_EXCEEDED;
+    t=0.0 A runs alone (done at 2.0: OK, even though SIGTERM arrives at 0.7: drain waits for it);
+    t=0.3 B waits for A, runs 2.0-4.0, past its deadline (3.3): DEADLINE_EXCEEDED;
     t=0.6 C finds B queued: RESOURCE_EXHAUSTED at once.
     """
-    srv = _start(model_base, "--model-delay-ms", "1000", "--request-timeout", "1.5", "--max-queued-rows", "1",
+    srv = _start(model_base, "--model-delay-ms", "2000", "--request-timeout", "3", "--max-queued-rows", "1",
                  "--max-batch-size", "1", "--no-warmup", "--drain-timeout", "5")
     try:
         with grpc.insecure_channel(srv.grpc_target) as channel:
             stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-            stub.Predict(predict_request(["warm up"]), timeout=10)  # connect, first model call
+            warm_up(stub)
             a = stub.Predict.future(predict_request(["first"]), timeout=10)
             time.sleep(0.3)
             b = stub.Predict.future(predict_request(["second"]), timeout=10)
