@@ -11,7 +11,6 @@ import pytest
 import requests
 import tensorflow as tf
 from google.protobuf import json_format
-from tensorflow.core.example import example_pb2
 from tensorflow_serving.apis import (
     classification_pb2,
     get_model_metadata_pb2,
