@@ -250,3 +250,35 @@ def test_launcher_forwards_sigterm_to_clients(tmp_path: Path) -> None:
     assert proc.returncode == 128 + signal.SIGTERM
     assert "[client 0] got SIGTERM" in out and "[client 1] got SIGTERM" in out
     assert "stopped by SIGTERM (client 0: exit code 143, client 1: exit code 143)" in err
+
+
+def test_sigterm_to_one_client_stops_all_clients_at_the_same_step(tmp_path: Path) -> None:
+    """A signal that reaches one client only: all clients agree to stop and checkpoint together."""
+    import tensorflow as tf
+
+    run_dir = tmp_path / "run"
+    flags = dict(SMALL, limit=2000, steps_per_call=2, checkpoint_every=2, epochs=5)
+    commands = client_commands(2, ["--run-dir", str(run_dir), *train_flags(**flags)])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTENSOR_")}
+    procs = [
+        subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for c in commands
+    ]
+    try:
+        deadline = time.monotonic() + 180
+        while tf.train.latest_checkpoint(str(run_dir / "checkpoints")) is None:
+            assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, [o[-3000:] for o in outputs]
+    steps = {int(o.split("interrupted by SIGTERM at step ")[1].split(";")[0]) for o in outputs}
+    assert len(steps) == 1, outputs
+    latest = tf.train.latest_checkpoint(str(run_dir / "checkpoints"))
+    assert latest.endswith(f"ckpt-{steps.pop()}")
+    restored_weights(run_dir, single_device_mesh())  # the jointly written checkpoint restores

@@ -235,6 +235,21 @@ def _stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, old)
 
 
+def stop_agreed(mesh: dtensor.Mesh, config: TrainConfig, requested: bool) -> bool:
+    """Whether any client was asked to stop.
+
+    Saving a DTensor checkpoint is a collective, so all clients must stop after the same step:
+    with several clients the flags are all-reduced once per call (a signal may reach one client
+    only, or reach them between two of their checks). Each client's devices hold whole replicas
+    of the leading `batch` dimension (`check_client_mesh`), so they all carry the same flag.
+    """
+    if config.num_clients == 1:
+        return requested
+    layout = dtensor.Layout.batch_sharded(mesh, mesh.dim_names[0], rank=1)
+    flags = dtensor.pack([tf.constant([float(requested)])] * mesh.num_local_devices(), layout)
+    return bool(to_host(tf.reduce_max(flags)) > 0)
+
+
 def build_mesh(config: TrainConfig) -> dtensor.Mesh:
     """The run's mesh: this process's devices, or one mesh over every client's (num_clients > 1).
 
@@ -381,11 +396,11 @@ def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
                 if bar is not None:
                     bar.update(num_steps)
                     bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{acc_sum / seen:.3f}", refresh=False)
-                if stop.is_set():
+                if stop_agreed(mesh, config, stop.is_set()):
                     save()
                     if bar is not None:
                         bar.close()
-                    raise TrainingInterrupted(stop.signum, step)  # type: ignore[attr-defined]
+                    raise TrainingInterrupted(stop.signum or signal.SIGTERM, step)  # type: ignore[attr-defined]
                 every = config.checkpoint_every
                 if every and step // every > previous_step // every:
                     save()
