@@ -22,9 +22,23 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path, *args: str, log_path: Path | None = None, ready_timeout: float = 90.0) -> None:
+    """A real server; with `grpc=True` it also serves gRPC, at `grpc_target`."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *args: str,
+        grpc: bool = False,
+        log_path: Path | None = None,
+        ready_timeout: float = 90.0,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_target = None
+        if grpc:
+            grpc_port = free_port()
+            self.grpc_target = f"127.0.0.1:{grpc_port}"
+            args = ("--grpc-port", str(grpc_port), *args)
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-{self.port}.log"
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}

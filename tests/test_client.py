@@ -35,10 +35,7 @@ TEXTS = ["a great movie, wonderful acting", "awful and boring", "the plot was du
 
 
 def _start(model_base, *args: str) -> ServerProcess:
-    grpc_port = free_port()
-    srv = ServerProcess(model_base, "--grpc-port", str(grpc_port), "--poll-interval", "0", *args)
-    srv.grpc_url = f"127.0.0.1:{grpc_port}"
-    return srv
+    return ServerProcess(model_base, "--poll-interval", "0", *args, grpc=True)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +46,7 @@ def server(model_base):
 
 
 def url_of(server: ServerProcess, transport: str) -> str:
-    return server.url if transport == "rest" else server.grpc_url
+    return server.url if transport == "rest" else server.grpc_target
 
 
 @pytest.fixture(scope="module", params=["rest", "grpc"])
@@ -80,7 +77,7 @@ def test_predict_matches_the_servers_own_answers(client, server):
 
 def test_rest_and_grpc_agree(server):
     rest = SentimentClient(server.url, MODEL_NAME).predict(TEXTS)
-    grpc_ = SentimentClient(server.grpc_url, MODEL_NAME, transport="grpc").predict(TEXTS)
+    grpc_ = SentimentClient(server.grpc_target, MODEL_NAME, transport="grpc").predict(TEXTS)
     assert [p.label for p in rest] == [p.label for p in grpc_]
     for r, g in zip(rest, grpc_):
         assert r.probabilities == pytest.approx(g.probabilities, abs=1e-6)
@@ -277,7 +274,7 @@ def test_grpc_retries_on_unavailable(server):
     """A real gRPC server in front of the model server: UNAVAILABLE twice, then forwards."""
     from tensorflow_serving.apis import prediction_service_pb2_grpc
 
-    upstream = grpc.insecure_channel(server.grpc_url)
+    upstream = grpc.insecure_channel(server.grpc_target)
     forward = prediction_service_pb2_grpc.PredictionServiceStub(upstream)
     calls = []
 
@@ -338,7 +335,7 @@ def test_cli_prints_label_and_score_per_line(server, tmp_path):
 
 
 def test_cli_grpc(server):
-    result = _python("-m", "client", "--transport", "grpc", "--url", server.grpc_url, "--json", "great movie", "bad")
+    result = _python("-m", "client", "--transport", "grpc", "--url", server.grpc_target, "--json", "great movie", "bad")
     assert result.returncode == 0, result.stderr
     rest = SentimentClient(server.url, MODEL_NAME).predict(["great movie", "bad"])
     assert [r["label"] for r in json.loads(result.stdout)] == [p.label for p in rest]

@@ -22,7 +22,7 @@ from tensorflow_serving.apis import (
 )
 
 from conftest import MODEL_NAME
-from serve_process import ServerProcess, free_port
+from serve_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +31,7 @@ TEXTS = ["a great movie, wonderful acting", "awful and boring", "the plot was du
 
 
 def _start(model_base, *args: str) -> ServerProcess:
-    grpc_port = free_port()
-    srv = ServerProcess(model_base, "--grpc-port", str(grpc_port), "--poll-interval", "0", *args)
-    srv.grpc_target = f"127.0.0.1:{grpc_port}"
-    return srv
+    return ServerProcess(model_base, "--poll-interval", "0", *args, grpc=True)
 
 
 @pytest.fixture(scope="module")
