@@ -9,7 +9,7 @@ Measures, in one run and on the same machine:
   - the in-process model-call rate (no HTTP) for 1 and 64 reviews per call.
 Clients are separate processes with keep-alive connections; they share the CPUs with the
 server, so on a small machine the figures are a lower bound for the server alone.
-Without --model-dir a stand-in model (tests/standin_model.py) is built in a temp dir.
+Without --model-dir a model is trained (1 epoch, bundled corpus) and exported in a temp dir.
 """
 
 from __future__ import annotations
@@ -166,9 +166,21 @@ def model_call_rate(model_dir: str) -> dict[int, float]:
     return out
 
 
+def build_default_model(workdir: Path) -> str:
+    """The real pipeline, small: `python -m train` (1 epoch, bundled corpus) then `python -m export`."""
+    run_dir, model_dir = workdir / "run", workdir / "sentiment"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    for cmd in (
+        ["-m", "train", "--run-dir", str(run_dir), "--epochs", "1", "--no-progress"],
+        ["-m", "export", "--checkpoint-dir", str(run_dir), "--model-dir", str(model_dir)],
+    ):
+        subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, check=True, capture_output=True)
+    return str(model_dir)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", help="models/NAME (default: build a stand-in model)")
+    p.add_argument("--model-dir", help="models/NAME (default: train and export one)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per concurrency level")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--threads", type=int, default=64, help="WSGI threads for both servers")
@@ -184,12 +196,8 @@ def main() -> None:
     tmp = None
     if a.model_dir is None:
         tmp = tempfile.TemporaryDirectory()
-        sys.path.insert(0, str(REPO / "tests"))
-        from standin_model import build_standin
-
-        a.model_dir = str(Path(tmp.name) / "standin")
-        build_standin(a.model_dir, 1)
-        print(f"(no --model-dir: using the stand-in model in {a.model_dir})")
+        a.model_dir = build_default_model(Path(tmp.name))
+        print(f"(no --model-dir: trained 1 epoch on the bundled corpus and exported to {a.model_dir})")
     name = Path(a.model_dir).name
     levels = [int(c) for c in a.concurrency.split(",")]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
