@@ -8,7 +8,8 @@ Measures, in one run and on the same machine:
     server and thread count, same request/response JSON;
   - the in-process model-call rate (no HTTP) for 1 and 64 reviews per call.
 Clients are separate processes with keep-alive connections; they share the CPUs with the
-server, so on a small machine the figures are a lower bound for the server alone.
+server, so on a small machine the figures are a lower bound for the server alone. Both servers
+run throughout; each level is measured in --rounds slices alternating which server goes first.
 Without --model-dir a model is trained (1 epoch, bundled corpus) and exported in a temp dir.
 """
 
@@ -100,17 +101,24 @@ def _client(args: tuple[int, str, int, float, int]) -> list[float]:
     return latencies
 
 
-def measure(port: int, path: str, concurrency: int, duration: float, procs: int) -> dict[str, float]:
+def run_load(port: int, path: str, concurrency: int, duration: float, procs: int) -> list[float]:
+    """Latencies (seconds) of `concurrency` keep-alive clients posting for `duration` seconds."""
     procs = max(1, min(procs, concurrency))
     split = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     _client((port, path, 1, 0.5, -1))  # warm connections / code paths
     with mp.get_context("spawn").Pool(procs) as pool:
-        t0 = time.perf_counter()
         parts = pool.map(_client, [(port, path, n, duration, i) for i, n in enumerate(split)])
-        wall = time.perf_counter() - t0
-    lat = sorted(x for part in parts for x in part)
+    return [x for part in parts for x in part]
+
+
+def summarize(latencies: list[float], duration: float) -> dict[str, float]:
+    lat = sorted(latencies)
     q = statistics.quantiles(lat, n=100, method="inclusive")
-    return {"rps": len(lat) / duration, "p50": q[49] * 1e3, "p99": q[98] * 1e3, "n": len(lat), "wall": wall}
+    return {"rps": len(lat) / duration, "p50": q[49] * 1e3, "p99": q[98] * 1e3, "n": len(lat)}
+
+
+def measure(port: int, path: str, concurrency: int, duration: float, procs: int) -> dict[str, float]:
+    return summarize(run_load(port, path, concurrency, duration, procs), duration)
 
 
 def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -184,6 +192,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=5.0, help="seconds per concurrency level")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--threads", type=int, default=64, help="WSGI threads for both servers")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="slices per level, alternating which server is measured first")
     p.add_argument("--client-procs", type=int, default=2, help="load-generator processes")
     p.add_argument("--serve-args", default="", help="extra arguments for python -m serve")
     p.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
@@ -205,32 +215,51 @@ def main() -> None:
     rate = model_call_rate(a.model_dir)
     results: dict[str, dict[int, dict[str, float]]] = {"serve": {}, "naive": {}}
     batches: dict[int, float] = {}
-    for kind in ("serve", "naive"):
-        port = _free_port()
-        if kind == "serve":
-            cmd = [sys.executable, "-m", "serve", "--model-dir", a.model_dir, "--host", "127.0.0.1",
-                   "--port", str(port), "--threads", str(a.threads), "--poll-interval", "0",
-                   "--log-level", "WARNING", *a.serve_args.split()]
-        else:
-            cmd = [sys.executable, __file__, "--naive-server", "--model-dir", a.model_dir, "--port", str(port),
-                   "--threads", str(a.threads)]
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            _wait_ready(port, proc)
-            for c in levels:
-                before = _batch_stats(port) if kind == "serve" else None
-                results[kind][c] = measure(port, f"/v1/models/{name}:predict", c, a.duration, a.client_procs)
-                if before is not None:
-                    after = _batch_stats(port)
-                    batches[c] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
-                r = results[kind][c]
-                print(f"  {kind:5s} c={c:<3d} {r['rps']:8.0f} req/s  p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms",
-                      file=sys.stderr)
-        finally:
+    ports = {kind: _free_port() for kind in ("serve", "naive")}
+    cmds = {
+        "serve": [sys.executable, "-m", "serve", "--model-dir", a.model_dir, "--host", "127.0.0.1",
+                  "--port", str(ports["serve"]), "--threads", str(a.threads), "--poll-interval", "0",
+                  "--log-level", "WARNING", *a.serve_args.split()],
+        "naive": [sys.executable, __file__, "--naive-server", "--model-dir", a.model_dir,
+                  "--port", str(ports["naive"]), "--threads", str(a.threads)],
+    }
+    # Both servers run for the whole measurement (the idle one sleeps in select), and each level is
+    # measured in `rounds` slices that alternate which server goes first: neither gets a systematic
+    # advantage from warm-up, page cache, CPU frequency or what ran just before it.
+    procs = {kind: subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for kind, cmd in cmds.items()}
+    try:
+        for kind, proc in procs.items():
+            _wait_ready(ports[kind], proc)
+        path = f"/v1/models/{name}:predict"
+        for kind in ("serve", "naive"):  # equal warm-up for both, beyond run_load's per-slice one
+            run_load(ports[kind], path, max(levels), 1.0, a.client_procs)
+        rounds = max(1, a.rounds)
+        for li, c in enumerate(levels):
+            lat: dict[str, list[float]] = {"serve": [], "naive": []}
+            rows = calls = 0.0
+            for r in range(rounds):
+                order = ("serve", "naive") if (li + r) % 2 == 0 else ("naive", "serve")
+                for kind in order:
+                    before = _batch_stats(ports[kind]) if kind == "serve" else None
+                    lat[kind] += run_load(ports[kind], path, c, a.duration / rounds, a.client_procs)
+                    if before is not None:
+                        after = _batch_stats(ports[kind])
+                        rows += after[0] - before[0]
+                        calls += after[1] - before[1]
+            batches[c] = rows / max(1.0, calls)
+            for kind in ("serve", "naive"):
+                r_ = results[kind][c] = summarize(lat[kind], a.duration)
+                print(f"  {kind:5s} c={c:<3d} {r_['rps']:8.0f} req/s  p50 {r_['p50']:7.2f} ms  "
+                      f"p99 {r_['p99']:7.2f} ms", file=sys.stderr)
+    finally:
+        for proc in procs.values():
             proc.terminate()
+        for proc in procs.values():
             proc.wait(30)
 
-    print(f"\nSingle-review requests, {a.duration:g}s per level, {os.cpu_count()} CPUs shared by clients and server")
+    print(f"\nSingle-review requests, {a.duration:g}s per level and server (in {max(1, a.rounds)} alternating "
+          f"slices), {os.cpu_count()} CPUs shared by clients and server")
     print(f"{'conc':>4} | {'serve req/s':>11} {'p50 ms':>7} {'p99 ms':>7} {'rows/call':>9} | "
           f"{'naive req/s':>11} {'p50 ms':>7} {'p99 ms':>7} | speed-up")
     for c in levels:
