@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from common.model import CLASS_NAMES
 from serve.batching import Batcher
 from serve.config import ServeConfig
 from serve.errors import InvalidArgument, NotFound
@@ -35,8 +36,6 @@ from serve.metrics import Metrics
 from serve.models import LoadedModel, ModelRegistry
 
 log = logging.getLogger(__name__)
-
-CLASS_NAMES = ("negative", "positive")
 
 
 @dataclasses.dataclass(frozen=True)
