@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from common.cli import option
 
 DEFAULT_SAMPLES: tuple[str, ...] = (
     "A wonderful, moving film with brilliant performances. I loved every minute of it.",
@@ -12,25 +14,19 @@ DEFAULT_SAMPLES: tuple[str, ...] = (
 """Reviews run through the exported model as a check, printed, and written as warm-up requests."""
 
 
-def _help(text: str, default):  # noqa: ANN001 - tiny helper for field(...) with help metadata
-    return field(default=default, metadata={"help": text})
-
-
 @dataclass(frozen=True, kw_only=True)
 class ExportConfig:
     """What `python -m export` does; tests build it directly."""
 
-    checkpoint_dir: str = _help(
-        "training run directory (python -m train --run-dir): checkpoints/, model.json, vocabulary.json",
-        "runs/default",
+    checkpoint_dir: str = option(
+        "runs/default", "training run directory (python -m train --run-dir): checkpoints/, model.json, vocabulary.json"
     )
-    model_dir: str = _help(
-        "model base directory for TF Serving (models/NAME); the SavedModel goes to MODEL_DIR/VERSION",
-        "models/sentiment",
+    model_dir: str = option(
+        "models/sentiment", "model base directory for TF Serving (models/NAME); the SavedModel goes to MODEL_DIR/VERSION"
     )
-    version: int | None = _help("version number to write; default: one more than the highest existing", None)
-    checkpoint: str | None = _help("checkpoint to export by name, e.g. ckpt-40; default: the latest", None)
-    samples: tuple[str, ...] = _help("reviews to check, print and use as warm-up requests", DEFAULT_SAMPLES)
+    version: int | None = option(None, "version number to write; default: one more than the highest existing")
+    checkpoint: str | None = option(None, "checkpoint to export by name, e.g. ckpt-40; default: the latest")
+    samples: tuple[str, ...] = option(DEFAULT_SAMPLES, "reviews to check, print and use as warm-up requests")
 
     def __post_init__(self) -> None:
         if not self.checkpoint_dir:
