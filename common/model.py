@@ -16,9 +16,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from common.classes import CLASS_NAMES
 from common.mesh import ModelLayouts
 
-CLASS_NAMES: tuple[str, str] = ("negative", "positive")
 NUM_CLASSES = len(CLASS_NAMES)
 
 PARAMETERS = ("dense1_kernel", "dense1_bias", "bn_gamma", "bn_beta", "dense2_kernel", "dense2_bias")
