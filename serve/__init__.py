@@ -1,15 +1,31 @@
-"""Serving stage: a TF-Serving-compatible REST server for the exported sentiment SavedModel.
+"""Serving stage: TF Serving's REST and gRPC APIs for the exported sentiment SavedModel.
 
-`ServingCore` (model registry + dynamic batcher + metrics) is shared by every frontend;
-`create_app(config, core)` builds the Flask REST app; `serve(config)` runs it under waitress.
+`ServingCore` (models + validation + batcher + metrics) is shared by every protocol edge;
+`create_app(config, core)` builds the REST port's ASGI app, `serve(config)` runs everything under
+uvicorn and grpc.aio. Importing this package imports neither TensorFlow nor uvicorn.
 """
 
 import logging
 
-from serve.app import create_app
 from serve.config import ServeConfig
-from serve.core import ServingCore
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["ServeConfig", "ServingCore", "create_app"]
+__all__ = ["ServeConfig", "ServingCore", "create_app", "serve"]
+
+
+def __getattr__(name: str):
+    """Heavier pieces on first use, so `python -m serve --help` stays instant."""
+    if name == "ServingCore":
+        from serve.core import ServingCore
+
+        return ServingCore
+    if name == "create_app":
+        from serve.rest import create_app
+
+        return create_app
+    if name == "serve":
+        from serve.server import serve
+
+        return serve
+    raise AttributeError(f"module 'serve' has no attribute {name!r}")

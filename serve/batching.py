@@ -1,26 +1,29 @@
-"""Dynamic batching: concurrent requests for the same model call are merged into one call.
+"""Dynamic batching on asyncio: concurrent requests for the same model call are merged into one.
 
-A request is a dict of input arrays with the same number of rows. `Batcher.submit` queues it
-and blocks until its own slice of the merged outputs comes back. Worker threads take the head
-of the queue, then keep taking queued requests for the same runner (FIFO, never reordered)
-until `max_batch_size` rows or `batch_timeout_s` has passed, and call the runner once.
+A request is a dict of input arrays with the same number of rows. `Batcher.submit` queues it and
+awaits a future that receives its own slice of the merged outputs. Worker tasks (one per model
+call allowed at once) take the head of the queue, then keep taking queued requests for the same
+runner (FIFO, never reordered) up to `max_batch_size` rows, and run the merged call in a small
+thread pool, so the event loop keeps reading requests while the model computes. Requests that
+arrive during a model call form the next batch: under load batches fill up by themselves.
 
-The queue is bounded by rows (`max_queued_rows`): past it `submit` fails at once with
-`Overloaded` rather than growing memory. Every request carries a deadline; one that expires in
-the queue is dropped before the model call and its caller gets `DeadlineExceeded`.
+The queue is bounded by rows (`max_queued_rows`): past it `submit` fails at once with the
+configured overload error rather than growing memory. Every request has a deadline; one that
+expires while queued is never run, and its caller gets `DeadlineExceeded` at the deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping
 
 import numpy as np
 
-from serve.errors import DeadlineExceeded, Internal, InvalidArgument, Overloaded, ServingError, Unavailable
+from serve.errors import DeadlineExceeded, Internal, InvalidArgument, ServingError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +32,14 @@ Runner = Callable[[Arrays], Mapping[str, np.ndarray]]
 """A model call: input arrays (rows on axis 0) -> output arrays with the same rows."""
 
 
-class _Task:
-    __slots__ = ("runner", "inputs", "rows", "deadline", "done", "result", "error", "abandoned")
+class _Request:
+    __slots__ = ("runner", "inputs", "rows", "future")
 
-    def __init__(self, runner: Runner, inputs: Arrays, rows: int, deadline: float) -> None:
+    def __init__(self, runner: Runner, inputs: Arrays, rows: int, future: asyncio.Future) -> None:
         self.runner = runner
         self.inputs = inputs
         self.rows = rows
-        self.deadline = deadline
-        self.done = threading.Event()
-        self.result: dict[str, np.ndarray] | None = None
-        self.error: BaseException | None = None
-        self.abandoned = False
+        self.future = future
 
 
 class Batcher:
@@ -51,16 +50,12 @@ class Batcher:
         batch_timeout_s: float = 0.002,
         max_queued_rows: int = 4096,
         num_threads: int = 1,
-        overload_status: int = 429,
-        on_batch: Callable[[int, int, float], None] | None = None,
-        arriving: Callable[[], int] | None = None,
         pad_single_row: bool = True,
+        overloaded: Callable[[str], ServingError],
+        on_batch: Callable[[int, int, float], None] | None = None,
     ) -> None:
-        """`on_batch(rows, requests, seconds)` is called after every model call (for metrics).
-
-        `arriving()`, if given, counts requests received by a frontend but not yet submitted. A
-        batch then waits for more only while some are on their way: a lone request runs at once
-        instead of paying `batch_timeout_s`, and under load the batch still fills up.
+        """`overloaded(message)` builds the error for a full queue (429 or 503, per config);
+        `on_batch(rows, requests, seconds)` is called after every model call (metrics).
 
         `pad_single_row` runs a 1-row call as 2 rows (the row repeated). CPU matmul kernels for
         one row (GEMV) round differently from those for several (GEMM); with the pad every
@@ -69,159 +64,171 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.batch_timeout_s = batch_timeout_s
         self.max_queued_rows = max_queued_rows
-        self.overload_status = overload_status
+        self._overloaded = overloaded
         self._on_batch = on_batch
-        self._arriving = arriving
         self._pad = pad_single_row
-        self._cv = threading.Condition(threading.Lock())
-        self._queue: collections.deque[_Task] = collections.deque()
-        self._queued_rows = 0
-        self._busy = 0  # model calls running (worker batches and inline calls), at most num_threads
         self._num_threads = num_threads
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._queued_rows = 0
+        self._idle: collections.deque[asyncio.Future] = collections.deque()  # workers waiting for work
+        self._executor: ThreadPoolExecutor | None = None
+        self._workers: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
-        self._threads = [
-            threading.Thread(target=self._work, name=f"batcher-{i}", daemon=True) for i in range(num_threads)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self.arriving = 0
+        """Requests received by an edge that will submit soon; a batch waits (up to
+        `batch_timeout_s`) for them only. Edges increment it on arrival and call `arrived()`."""
 
     @property
     def queued_rows(self) -> int:
         return self._queued_rows
 
-    def submit(self, runner: Runner, inputs: Arrays, deadline: float) -> dict[str, np.ndarray]:
-        """Run `runner` on `inputs` as part of a batch; block until done or `deadline` (monotonic)."""
-        rows = _rows(inputs)
-        task = _Task(runner, inputs, rows, deadline)
-        with self._cv:
-            if self._closing:
-                raise Unavailable("server is shutting down")
-            if self._queue and self._queued_rows + rows > self.max_queued_rows:
-                raise Overloaded(
-                    f"server overloaded: {self._queued_rows} rows queued (max {self.max_queued_rows}); retry later",
-                    self.overload_status,
-                )
-            inline = (
-                self._arriving is not None
-                and not self._queue
-                and self._busy < self._num_threads
-                and self._arriving() <= 0
-            )
-            if inline:
-                self._busy += 1
-            else:
-                self._queue.append(task)
-                self._queued_rows += rows
-                self._cv.notify()
-        if inline:
-            # Idle model and nobody else on the way: run in the caller's thread, saving two
-            # thread hand-offs. Requests arriving meanwhile queue for the worker as usual.
-            try:
-                self._run([task])
-            finally:
-                with self._cv:
-                    self._busy -= 1
-                    self._cv.notify_all()
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded("deadline exceeded before the model call completed")
-        elif not task.done.wait(max(0.0, deadline - time.monotonic())):
-            task.abandoned = True
-            raise DeadlineExceeded("deadline exceeded before the model call completed")
-        if task.error is not None:
-            raise task.error
-        assert task.result is not None
-        return task.result
+    def start(self) -> "Batcher":
+        """Start the worker tasks on the running loop."""
+        self._loop = asyncio.get_running_loop()
+        self._executor = ThreadPoolExecutor(self._num_threads, thread_name_prefix="model")
+        self._workers = [self._loop.create_task(self._work(), name=f"batcher-{i}") for i in range(self._num_threads)]
+        return self
 
-    def close(self, timeout: float | None = None) -> None:
-        """Stop accepting work, finish what is queued, stop the worker threads."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
-        for thread in self._threads:
-            thread.join(timeout)
+    def arrived(self) -> None:
+        self.arriving -= 1
+
+    async def submit(self, runner: Runner, inputs: Arrays, timeout_s: float) -> dict[str, np.ndarray]:
+        """Run `runner` on `inputs` as part of a batch; the result, or DeadlineExceeded after `timeout_s`."""
+        rows = _rows(inputs)
+        if self._closing or self._loop is None:
+            raise Unavailable("server is shutting down")
+        if self._queue and self._queued_rows + rows > self.max_queued_rows:
+            raise self._overloaded(
+                f"server overloaded: {self._queued_rows} rows queued (max {self.max_queued_rows}); retry later"
+            )
+        future = self._loop.create_future()
+        self._queue.append(_Request(runner, inputs, rows, future))
+        self._queued_rows += rows
+        self._wake_one()
+        timer = self._loop.call_later(max(0.0, timeout_s), _expire, future)
+        try:
+            return await future
+        finally:
+            timer.cancel()
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Stop accepting work, finish what is queued, stop the workers and the model threads."""
+        self._closing = True
+        while self._idle:
+            _wake(self._idle.popleft())
+        if self._workers:
+            await asyncio.wait(self._workers, timeout=timeout)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- worker side -------------------------------------------------------------------------
 
-    def _take_batch(self) -> list[_Task] | None:
-        with self._cv:
-            # An inline call holds a model slot too: wait for a free one, so at most
-            # num_threads model calls run at once and the queue bound stays meaningful.
-            while not self._queue or self._busy >= self._num_threads:
-                if self._closing and not self._queue:
-                    return None
-                self._cv.wait()
-            first = self._queue.popleft()
-            self._queued_rows -= first.rows
-            self._busy += 1
-            batch, rows = [first], first.rows
-            close_at = time.monotonic() + self.batch_timeout_s
-            while rows < self.max_batch_size:
-                while self._queue:
-                    head = self._queue[0]
-                    if head.runner is not first.runner or rows + head.rows > self.max_batch_size:
-                        return batch  # FIFO: never run a later request before this one
-                    self._queue.popleft()
-                    self._queued_rows -= head.rows
-                    batch.append(head)
-                    rows += head.rows
-                if rows >= self.max_batch_size or self._closing:
-                    break
-                if self._arriving is not None and self._arriving() <= 0:
-                    break  # nobody else is on the way: waiting would only add latency
-                remaining = close_at - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cv.wait(remaining)
-            return batch
+    def _wake_one(self) -> None:
+        while self._idle:
+            waiter = self._idle.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
-    def _work(self) -> None:
+    async def _wait_for_work(self, timeout: float | None = None) -> None:
+        waiter = self._loop.create_future()
+        self._idle.append(waiter)
+        if timeout is None:
+            await waiter
+            return
+        handle = self._loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            handle.cancel()
+
+    def _pop_live(self) -> _Request | None:
+        """The next queued request whose caller is still waiting (expired ones are dropped)."""
+        while self._queue:
+            request = self._queue.popleft()
+            self._queued_rows -= request.rows
+            if not request.future.done():
+                return request
+        return None
+
+    async def _take_batch(self) -> list[_Request] | None:
         while True:
-            batch = self._take_batch()
+            first = self._pop_live()
+            if first is not None:
+                break
+            if self._closing:
+                return None
+            await self._wait_for_work()
+        batch, rows = [first], first.rows
+        close_at = self._loop.time() + self.batch_timeout_s
+        while rows < self.max_batch_size:
+            while self._queue:
+                head = self._queue[0]
+                if head.future.done():
+                    self._pop_live()
+                    continue
+                if head.runner is not first.runner or rows + head.rows > self.max_batch_size:
+                    return batch  # FIFO: never run a later request before this one
+                self._queue.popleft()
+                self._queued_rows -= head.rows
+                batch.append(head)
+                rows += head.rows
+            if rows >= self.max_batch_size or self.arriving <= 0 or self._closing:
+                break  # nobody else is on the way: waiting would only add latency
+            remaining = close_at - self._loop.time()
+            if remaining <= 0:
+                break
+            await self._wait_for_work(remaining)
+        return batch
+
+    async def _work(self) -> None:
+        while True:
+            batch = await self._take_batch()
             if batch is None:
                 return
-            now = time.monotonic()
-            live = []
-            for task in batch:
-                if task.abandoned or task.deadline <= now:
-                    task.error = DeadlineExceeded("deadline exceeded while waiting in the batch queue")
-                    task.done.set()
-                else:
-                    live.append(task)
-            try:
-                if live:
-                    self._run(live)
-            finally:
-                with self._cv:
-                    self._busy -= 1
+            await self._run(batch)
 
-    def _run(self, batch: list[_Task]) -> None:
+    async def _run(self, batch: list[_Request]) -> None:
         runner = batch[0].runner
         if len(batch) == 1:
             merged = batch[0].inputs
         else:
-            merged = {name: np.concatenate([t.inputs[name] for t in batch]) for name in batch[0].inputs}
-        rows = sum(t.rows for t in batch)
+            merged = {name: np.concatenate([r.inputs[name] for r in batch]) for name in batch[0].inputs}
+        rows = sum(r.rows for r in batch)
         if rows == 1 and self._pad:
             merged = {name: np.concatenate([value, value]) for name, value in merged.items()}
         start = time.perf_counter()
         try:
-            outputs = runner(merged)
+            outputs = await self._loop.run_in_executor(self._executor, runner, merged)
         except Exception as exc:  # noqa: BLE001 - reported to each caller
             if len(batch) > 1:
-                # One bad request must not fail its batch-mates: retry each on its own.
-                for task in batch:
-                    self._run([task])
+                for request in batch:  # one bad request must not fail its batch-mates: retry each alone
+                    await self._run([request])
                 return
-            batch[0].error = _as_serving_error(exc)
-            batch[0].done.set()
+            _fail(batch[0].future, _as_serving_error(exc))
             return
         if self._on_batch is not None:
             self._on_batch(rows, len(batch), time.perf_counter() - start)
         offset = 0
-        for task in batch:
-            task.result = {name: value[offset : offset + task.rows] for name, value in outputs.items()}
-            offset += task.rows
-            task.done.set()
+        for request in batch:
+            if not request.future.done():
+                request.future.set_result({name: value[offset : offset + request.rows] for name, value in outputs.items()})
+            offset += request.rows
+
+
+def _expire(future: asyncio.Future) -> None:
+    _fail(future, DeadlineExceeded("deadline exceeded before the model call completed"))
+
+
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _rows(inputs: Arrays) -> int:
@@ -237,8 +244,8 @@ def _rows(inputs: Arrays) -> int:
 def _as_serving_error(exc: Exception) -> ServingError:
     if isinstance(exc, ServingError):
         return exc
-    name = type(exc).__name__
-    if name == "InvalidArgumentError":  # tf.errors.InvalidArgumentError, without importing TF here
-        return InvalidArgument(getattr(exc, "message", str(exc)).strip())
-    log.exception("model call failed", exc_info=exc)
-    return Internal(f"model call failed: {name}: {exc}")
+    if type(exc).__name__ == "InvalidArgumentError":  # tf.errors.InvalidArgumentError, without importing TF
+        log.info("model call rejected its input: %s", str(exc).strip()[:500])
+        return InvalidArgument("the model could not process this input")
+    log.error("model call failed: %s: %s", type(exc).__name__, str(exc).strip()[:1000])
+    return Internal(f"model call failed ({type(exc).__name__})")

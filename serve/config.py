@@ -1,122 +1,146 @@
-"""Configuration of the serving stage: one frozen dataclass, the CLI maps onto it."""
+"""Configuration of the serving stage: one frozen dataclass; `python -m serve` flags are generated
+from it (`common.cli`). Importing this module never imports TensorFlow."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
+
+from common.cli import option
 
 VersionPolicy = Literal["latest", "all", "specific"]
 
 
+def parse_versions(text: str) -> tuple[int, ...]:
+    """`1,2` -> (1, 2)."""
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"expected version numbers such as 1,2, got {text!r}") from None
+
+
+def parse_labels(text: str) -> tuple[tuple[str, int], ...]:
+    """`stable=1,canary=2` -> (("stable", 1), ("canary", 2))."""
+    pairs = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        label, sep, version = item.partition("=")
+        if not sep or not version.strip().isdigit() or not label.strip():
+            raise ValueError(f"expected LABEL=VERSION, got {item!r}")
+        pairs.append((label.strip(), int(version)))
+    return tuple(pairs)
+
+
+def parse_origins(text: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def _milliseconds(text: str) -> float:
+    return float(text) / 1e3
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServeConfig:
-    model_dir: str
-    """Model base directory `models/NAME`; versions are its integer subdirectories."""
+    """What `python -m serve` does; tests build it directly."""
 
-    model_name: str = ""
-    """Name in the URL `/v1/models/{name}`; defaults to the base name of `model_dir`."""
+    model_dir: str = option("", "model base directory models/NAME holding integer version subdirectories")
+    model_name: str = option("", "name in /v1/models/NAME (default: the base name of --model-dir)")
 
-    host: str = "0.0.0.0"
-    """Address to bind (as TF Serving, all interfaces); use 127.0.0.1 for local only."""
+    host: str = option("0.0.0.0", "address to bind (as TF Serving, all interfaces); 127.0.0.1 for local only")
+    port: int = option(8501, "REST port (TF Serving's default REST port)")
+    grpc_port: int = option(0, "TF Serving gRPC API port (TF Serving uses 8500); 0: no gRPC")
+    workers: int = option(
+        1, "server processes sharing the ports, each with its own model copy, batcher and reload poller"
+    )
 
-    port: int = 8501
-    """REST port (TF Serving's default REST port)."""
+    max_connections: int = option(
+        1024, "open HTTP connections per worker; past it a new connection gets an immediate 503"
+    )
+    header_timeout_s: float = option(
+        10.0, "seconds a client has to send a request's headers (slow clients are cut off with 408)",
+        flag="--header-timeout", metavar="SECONDS",
+    )
+    body_timeout_s: float = option(30.0, "seconds a client has to send a request's body (else 408)",
+                                   flag="--body-timeout", metavar="SECONDS")
+    keepalive_timeout_s: float = option(30.0, "seconds an idle keep-alive connection stays open",
+                                        flag="--keepalive-timeout", metavar="SECONDS")
+    max_header_bytes: int = option(65536, "largest request line plus headers (else 431)")
 
-    grpc_port: int = 0
-    """gRPC port for TF Serving's PredictionService/ModelService (TF Serving uses 8500); 0: no gRPC."""
+    version_policy: VersionPolicy = option(
+        "latest", "latest: serve the newest version; all: every version on disk; specific: --versions"
+    )
+    versions: tuple[int, ...] = option((), "versions to serve with --version-policy specific, e.g. 1,2",
+                                       parse=parse_versions)
+    version_labels: tuple[tuple[str, int], ...] = option(
+        (), "version labels for /labels/LABEL URLs, e.g. stable=1,canary=2", parse=parse_labels
+    )
+    poll_interval_s: float = option(1.0, "seconds between scans of --model-dir for new versions; 0: never",
+                                    flag="--poll-interval", metavar="SECONDS")
 
-    threads: int = 64
-    """WSGI worker threads; requests wait for the batcher in these, so keep it >= max_batch_size."""
+    max_batch_size: int = option(64, "most rows merged into one model call by the dynamic batcher")
+    batch_timeout_s: float = option(
+        0.002, "milliseconds a batch waits for requests already being received", flag="--batch-timeout-ms",
+        parse=_milliseconds, metavar="MS", shown_default="2",
+    )
+    max_queued_rows: int = option(4096, "rows waiting for the model at most; beyond it requests fail fast (429)")
+    num_batch_threads: int = option(1, "model calls running at once")
+    pad_single_row: bool = option(
+        True, "run 1-row model calls as 2 rows so answers are bit-identical batched or not (CPU matmul "
+        "kernels round one row differently)"
+    )
 
-    connection_limit: int = 256
-    """Open connections at most; further connections wait in the listen backlog."""
+    request_timeout_s: float = option(10.0, "per-request deadline for queueing plus the model call, seconds (504)",
+                                      flag="--request-timeout", metavar="SECONDS")
+    max_body_bytes: int = option(4 * 1024 * 1024, "largest request body (413), also the largest gRPC message")
+    max_rows_per_request: int = option(1024, "most instances (texts) in one request (400)")
+    max_text_bytes: int = option(100_000, "longest single text in UTF-8 bytes (400)")
+    cors_origins: tuple[str, ...] = option((), "origins allowed by CORS, comma-separated, or '*'; off without it",
+                                           parse=parse_origins)
+    overload_status: Literal[429, 503] = option(429, "HTTP status of a full queue: 429 or 503")
 
-    version_policy: VersionPolicy = "latest"
-    """`latest`: serve only the highest version; `all`: every version on disk; `specific`: `versions`."""
-
-    versions: tuple[int, ...] = ()
-    """Versions to serve with `version_policy="specific"`."""
-
-    version_labels: tuple[tuple[str, int], ...] = ()
-    """Version labels for `/labels/{label}` URLs, e.g. (("stable", 1), ("canary", 2))."""
-
-    poll_interval_s: float = 1.0
-    """Seconds between scans of `model_dir` for new versions; 0 disables polling."""
-
-    max_batch_size: int = 64
-    """Most rows merged into one model call by the dynamic batcher."""
-
-    batch_timeout_s: float = 0.002
-    """Longest the batcher waits for more requests after the first one of a batch arrives."""
-
-    max_queued_rows: int = 4096
-    """Bound on rows waiting for the model; beyond it requests fail fast as overloaded (429)."""
-
-    num_batch_threads: int = 1
-    """Threads taking batches from the queue and calling the model."""
-
-    pad_single_row: bool = True
-    """Run 1-row model calls as 2 rows so results are bit-identical batched or not (CPU matmul
-    kernels for one row round differently); costs next to nothing."""
-
-    request_timeout_s: float = 10.0
-    """Per-request deadline for queueing plus the model call; past it the request fails with 504."""
-
-    max_body_bytes: int = 4 * 1024 * 1024
-    """Largest request body accepted; larger bodies get 413."""
-
-    max_rows_per_request: int = 1024
-    """Most instances (texts) in one request; more get 400."""
-
-    max_text_bytes: int = 100_000
-    """Longest single text (UTF-8 bytes); longer texts get 400."""
-
-    cors_origins: tuple[str, ...] = ()
-    """Origins allowed by CORS (`*` for any); empty disables CORS headers (the default)."""
-
-    drain_timeout_s: float = 10.0
-    """On SIGTERM, how long to wait for in-flight requests before exiting anyway."""
-
-    warmup: bool = True
-    """Replay `assets.extra/tf_serving_warmup_requests` (or a few texts) before a version goes live."""
-
-    access_log: bool = False
-    """Log one line per request at INFO."""
-
-    model_delay_s: float = 0.0
-    """Artificial delay added to every model call; for tests and load experiments only."""
-
-    overload_status: int = field(default=429)
-    """HTTP status for a full queue: 429 (too many requests) or 503 (unavailable)."""
+    drain_timeout_s: float = option(10.0, "on SIGTERM, seconds to finish requests already received",
+                                    flag="--drain-timeout", metavar="SECONDS")
+    warmup: bool = option(True, "replay assets.extra/tf_serving_warmup_requests before a version goes live")
+    access_log: bool = option(False, "log one line per request")
+    log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
+    model_delay_s: float = option(0.0, "delay added to every model call (tests)", flag="--model-delay-ms",
+                                  parse=_milliseconds, hidden=True)
 
     def __post_init__(self) -> None:
         if not self.model_dir:
-            raise ValueError("model_dir: required (--model-dir models/NAME)")
+            raise ValueError("--model-dir is required: the directory models/NAME holding version subdirectories")
         if not self.model_name:
             object.__setattr__(self, "model_name", os.path.basename(os.path.normpath(self.model_dir)))
         if self.version_policy not in ("latest", "all", "specific"):
-            raise ValueError(f"version_policy={self.version_policy!r}: expected latest, all or specific")
+            raise ValueError(f"--version-policy {self.version_policy!r}: expected latest, all or specific")
         if self.version_policy == "specific" and not self.versions:
-            raise ValueError("versions: --version-policy specific needs --versions N[,M...]")
+            raise ValueError("--version-policy specific needs --versions N[,M...]")
         if self.version_policy != "specific" and self.versions:
-            raise ValueError("versions: only valid with --version-policy specific")
-        for name in ("threads", "max_batch_size", "max_queued_rows", "num_batch_threads",
-                     "max_body_bytes", "max_rows_per_request", "max_text_bytes", "connection_limit"):
+            raise ValueError("--versions is only valid with --version-policy specific")
+        for name in ("workers", "max_batch_size", "max_queued_rows", "num_batch_threads", "max_body_bytes",
+                     "max_rows_per_request", "max_text_bytes", "max_connections", "max_header_bytes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+                raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be at least 1")
         for name in ("batch_timeout_s", "poll_interval_s", "drain_timeout_s", "model_delay_s"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s={self.request_timeout_s}: must be > 0")
+                raise ValueError(f"{_flag(name)} {getattr(self, name)}: must not be negative")
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be positive")
         if self.overload_status not in (429, 503):
-            raise ValueError(f"overload_status={self.overload_status}: must be 429 or 503")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port={self.port}: must be in 0..65535")
-        if not 0 <= self.grpc_port <= 65535:
-            raise ValueError(f"grpc_port={self.grpc_port}: must be in 0..65535 (0: no gRPC server)")
+            raise ValueError(f"--overload-status {self.overload_status}: must be 429 or 503")
+        for name in ("port", "grpc_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be in 0..65535")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"--log-level {self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
 
     def replace(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _flag(name: str) -> str:
+    from common.cli import flag_of
+
+    return flag_of(ServeConfig.__dataclass_fields__[name])

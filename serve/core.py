@@ -1,41 +1,44 @@
-"""The serving core shared by every frontend (REST now, gRPC later): registry + batcher + metrics.
+"""The serving core shared by every protocol edge: models, validation, the batcher, metrics.
 
-Nothing here knows HTTP or gRPC. Frontends resolve a model, validate the request into numpy
-arrays, and call `ServingCore.run`; errors are `serve.errors.ServingError` subclasses, each
-with `http_status` and `grpc_code`. A second frontend shares the same instance:
+Nothing here knows HTTP or gRPC. An edge decodes its request into plain values (numpy arrays,
+tf.Example protos, model names), then calls the core, which validates everything once, queues the
+model call and raises neutral `serve.errors.ServingError`s that each edge maps to its own status.
+Runs on one asyncio event loop; model versions load in background threads.
 
-    core = ServingCore(config).start()          # once per process
-    app = create_app(config, core)              # REST
-    # gRPC Predict handler, per call:
-    core.request_started()                      # lets the batcher wait for this request
-    try:
-        model = core.model(spec.name, spec.version.value or None, spec.version_label or None)
-        inputs = {k: tf.make_ndarray(v) for k, v in request.inputs.items()}
-        outputs = core.run(model, spec.signature_name or "serving_default", inputs)
-    except ServingError as exc:
-        context.abort(exc.grpc_code, exc.message)
-    finally:
-        core.request_finished()
+    core = ServingCore(config)
+    await core.start()                                   # on the serving loop
+    model = core.model("sentiment")                      # NotFound / Unavailable
+    outputs = await core.predict(model, "serving_default", {"text": texts})
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-import threading
-import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from common.model import CLASS_NAMES
+from common.classes import CLASS_NAMES
 from serve.batching import Batcher
 from serve.config import ServeConfig
-from serve.errors import InvalidArgument, NotFound
+from serve.errors import InvalidArgument, NotFound, Overloaded, ServingError, Unavailable
 from serve.metrics import Metrics
-from serve.models import LoadedModel, ModelRegistry
+from serve.models import CLASSIFY_METHOD, LoadedModel, ModelRegistry, ModelSource, Signature, VersionStatus
+from serve.tensors import NUMPY_DTYPES, dtype_name, short_dtype
 
 log = logging.getLogger(__name__)
+
+TEXT_INPUT = "text"
+"""A string input with this name holds review text: it must be non-empty, valid UTF-8."""
+
+RowLabel = Callable[[str, int], str]
+"""(input name, row) -> how the request spells that place, e.g. `instances[3]`."""
+
+
+def _default_label(name: str, row: int) -> str:
+    return f"inputs[{name!r}][{row}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,113 +50,209 @@ class Sentiment:
 
 
 class ServingCore:
-    """Create once per process; pass to `create_app` (and to a gRPC server) to share it."""
+    """Create once per worker process; every edge of that process shares it."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, sources: Sequence[ModelSource] | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.registry = ModelRegistry(config, on_change=self._on_model_change)
+        sources = list(sources) if sources is not None else [ModelSource.from_config(config)]
+        self.models: dict[str, ModelRegistry] = {
+            s.name: ModelRegistry(s, config, on_change=self._on_model_change) for s in sources
+        }
+        self.default_model = sources[0].name
         self.batcher = Batcher(
             max_batch_size=config.max_batch_size,
             batch_timeout_s=config.batch_timeout_s,
             max_queued_rows=config.max_queued_rows,
             num_threads=config.num_batch_threads,
-            overload_status=config.overload_status,
-            on_batch=self.metrics.observe_batch,
-            arriving=lambda: self._arriving,
             pad_single_row=config.pad_single_row,
+            overloaded=Overloaded if config.overload_status == 429 else Unavailable,
+            on_batch=self.metrics.observe_batch,
         )
         self.metrics.queued_rows.set_function(lambda: self.batcher.queued_rows)
-        self._draining = threading.Event()
-        self._started = False
-        self._arriving = 0  # requests received by a frontend, not yet submitted to the batcher
-        self._arriving_lock = threading.Lock()
-        self._local = threading.local()
+        self._draining = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self) -> "ServingCore":
-        """Start loading (in the background) and polling for versions."""
-        if not self._started:
-            self._started = True
-            self.registry.start()
+    async def start(self, *, load: bool = True) -> "ServingCore":
+        """Start the batcher on the running loop and (unless `load` is False: tests that call
+        `load_now`) loading and polling model versions in background threads."""
+        self.batcher.start()
+        if load:
+            for registry in self.models.values():
+                registry.start()
         return self
 
     def load_now(self) -> "ServingCore":
-        """Load synchronously (tests, benchmarks); polling is not started."""
-        self.registry.refresh()
+        """Load every model synchronously (tests, benchmarks); polling is not started."""
+        for registry in self.models.values():
+            registry.refresh()
         return self
 
     @property
     def ready(self) -> bool:
-        return self.registry.ready and not self._draining.is_set()
+        return not self._draining and all(r.ready for r in self.models.values())
 
     @property
     def draining(self) -> bool:
-        return self._draining.is_set()
+        return self._draining
 
     def begin_drain(self) -> None:
         """Readiness turns false; requests already accepted still complete."""
-        self._draining.set()
+        self._draining = True
 
-    def close(self) -> None:
-        self._draining.set()
-        self.registry.stop()
-        self.batcher.close(timeout=self.config.drain_timeout_s)
+    async def close(self) -> None:
+        self._draining = True
+        await asyncio.gather(*(asyncio.to_thread(r.stop) for r in self.models.values()))
+        await self.batcher.close(timeout=self.config.drain_timeout_s)
 
     def _on_model_change(self, registry: ModelRegistry) -> None:
         live = registry.live_versions
-        name = self.config.model_name
-        self.metrics.live_versions.labels(name).set(len(live))
+        self.metrics.live_versions.labels(registry.name).set(len(live))
         if live:
-            self.metrics.model_version.labels(name).set(max(live))
+            self.metrics.model_version.labels(registry.name).set(max(live))
+
+    # -- models ------------------------------------------------------------------------------
+
+    def registry(self, name: str) -> ModelRegistry:
+        registry = self.models.get(name)
+        if registry is None:
+            raise NotFound(f"Could not find any versions of model {name}")
+        return registry
+
+    def model(self, name: str, version: int | None = None, label: str | None = None) -> LoadedModel:
+        """The loaded version to answer with: `version`, the one `label` points at, or the latest."""
+        registry = self.models.get(name)
+        if registry is None:
+            spec = f"Specific({name}, {version})" if version is not None else f"Latest({name})"
+            raise NotFound(f"Servable not found for request: {spec}")
+        return registry.get(version, label)
+
+    def status(self, name: str, version: int | None = None, label: str | None = None) -> list[VersionStatus]:
+        registry = self.registry(name)
+        if label is not None:
+            version = registry.label_version(label)
+        return registry.status(version)
 
     # -- requests ----------------------------------------------------------------------------
 
-    def request_started(self) -> None:
-        """Frontends call this when a request that may run the model arrives (same thread as
-        `run`), and `request_finished` when it is done; the batcher waits only for those."""
-        self._local.arriving = True
-        with self._arriving_lock:
-            self._arriving += 1
-
-    def request_finished(self) -> None:
-        self._left_arrival()
-
-    def _left_arrival(self) -> None:
-        if getattr(self._local, "arriving", False):
-            self._local.arriving = False
-            with self._arriving_lock:
-                self._arriving -= 1
-
-    def model(self, name: str, version: int | None = None, label: str | None = None) -> LoadedModel:
-        if name != self.config.model_name:
-            spec = f"Specific({name}, {version})" if version is not None else f"Latest({name})"
-            raise NotFound(f"Servable not found for request: {spec}")
-        return self.registry.get(version, label)
-
-    def run(self, model: LoadedModel, signature_name: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Batched call of one signature; inputs must match the signature's input names."""
+    async def predict(
+        self,
+        model: LoadedModel,
+        signature_name: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        timeout_s: float | None = None,
+        row_label: RowLabel = _default_label,
+    ) -> dict[str, np.ndarray]:
+        """Validate `inputs` against the signature and run it batched."""
         signature = model.signature(signature_name)
-        missing = set(signature.inputs) - set(inputs)
-        extra = set(inputs) - set(signature.inputs)
-        if missing or extra:
-            raise InvalidArgument(
-                f"signature {signature_name!r} expects inputs {sorted(signature.inputs)}, got {sorted(inputs)}"
-            )
-        deadline = time.monotonic() + self.config.request_timeout_s
-        self._left_arrival()
-        return self.batcher.submit(model.runner(signature_name), inputs, deadline)
+        validate_inputs(signature, inputs, self.config, row_label)
+        return await self._run(model, signature_name, inputs, timeout_s)
 
-    def predict_texts(self, texts: Sequence[str], version: int | None = None) -> tuple[int, list[Sentiment]]:
-        """Sentiment of each text with the default (or given) version; returns (version, results)."""
-        model = self.registry.get(version)
-        values = np.array([t.encode("utf-8") for t in texts], dtype=object)
-        out = self.run(model, "serving_default", {"text": values})
-        probabilities = out["probabilities"].tolist()
+    async def classify(
+        self, model: LoadedModel, signature_name: str, examples: Sequence, *, timeout_s: float | None = None
+    ) -> tuple[Signature, dict[str, np.ndarray]]:
+        """Run a classify signature on tf.train.Example protos; returns (signature, outputs)."""
+        signature = model.signature_for_method(CLASSIFY_METHOD, signature_name)
+        check_rows(len(examples), self.config)
+        serialized = np.empty(len(examples), dtype=object)
+        for i, example in enumerate(examples):
+            feature = example.features.feature.get(TEXT_INPUT)
+            if feature is not None:
+                for value in feature.bytes_list.value:
+                    check_text(value, f"examples[{i}].{TEXT_INPUT}", self.config)
+            serialized[i] = example.SerializeToString()
+        (input_name,) = signature.inputs
+        return signature, await self._run(model, signature.name, {input_name: serialized}, timeout_s)
+
+    async def sentiment(self, texts: Sequence[bytes], name: str | None = None) -> tuple[int, list[Sentiment]]:
+        """Sentiment of each (UTF-8) text with the latest version; returns (version, results)."""
+        model = self.model(name or self.default_model)
+        values = np.empty(len(texts), dtype=object)
+        values[:] = list(texts)
+        out = await self.predict(model, "serving_default", {TEXT_INPUT: values},
+                                 row_label=lambda _name, i: f"texts[{i}]")
         results = []
-        for label, probs in zip(out["label"], probabilities):
+        for label, row in zip(out["label"].tolist(), out["probabilities"]):
+            # float32 in its shortest decimal form, the same digits as the predict API writes
+            probs = [float(str(p)) for p in row]
             label = label.decode("utf-8")
             by_class = dict(zip(CLASS_NAMES, probs))
             results.append(Sentiment(label=label, score=by_class.get(label, max(probs)), probabilities=by_class))
         return model.version, results
+
+    async def _run(
+        self, model: LoadedModel, signature_name: str, inputs: Mapping[str, np.ndarray], timeout_s: float | None
+    ) -> dict[str, np.ndarray]:
+        timeout = self.config.request_timeout_s if timeout_s is None else min(timeout_s, self.config.request_timeout_s)
+        return await self.batcher.submit(model.runner(signature_name), inputs, timeout)
+
+
+# -- validation, once for every edge -------------------------------------------------------------
+
+
+def check_rows(rows: int, config: ServeConfig) -> None:
+    if rows == 0:
+        raise InvalidArgument("no instances: at least one input row is required")
+    if rows > config.max_rows_per_request:
+        raise InvalidArgument(f"{rows} instances in one request, more than the limit of {config.max_rows_per_request}")
+
+
+def check_text(data: bytes, where: str, config: ServeConfig) -> None:
+    """A review text: non-empty, valid UTF-8, at most `max_text_bytes`."""
+    if len(data) > config.max_text_bytes:
+        raise InvalidArgument(f"{where}: text is {len(data)} bytes, more than the limit of {config.max_text_bytes}")
+    if not data.strip():
+        raise InvalidArgument(f"{where}: text is empty")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"{where}: text is not valid UTF-8") from None
+
+
+def validate_inputs(
+    signature: Signature, inputs: Mapping[str, np.ndarray], config: ServeConfig, row_label: RowLabel = _default_label
+) -> None:
+    """Names, dtypes, shapes, row counts and text limits of a predict request; InvalidArgument if not."""
+    if set(inputs) != set(signature.inputs):
+        raise InvalidArgument(
+            f"signature {signature.name!r} expects inputs {sorted(signature.inputs)}, got {sorted(inputs)}"
+        )
+    rows = None
+    for name, array in inputs.items():
+        info = signature.inputs[name]
+        got = dtype_name(array)
+        if got != info.dtype and not (info.dtype in NUMPY_DTYPES and array.dtype == NUMPY_DTYPES[info.dtype]):
+            raise InvalidArgument(
+                f"input {name!r}: expects {short_dtype(info.dtype)} but {short_dtype(got)} is provided"
+            )
+        if array.ndim == 0:
+            raise InvalidArgument(f"input {name!r}: expected a batch (rank >= 1), got a scalar")
+        if info.shape is not None and (
+            array.ndim != len(info.shape)
+            or any(d not in (-1, a) for d, a in zip(info.shape[1:], array.shape[1:]))
+        ):
+            if info.dtype == "DT_STRING" and len(info.shape) == 1:
+                raise InvalidArgument(f"input {name!r}: string inputs must have rank 1, got shape {list(array.shape)}")
+            raise InvalidArgument(f"input {name!r} has shape {list(array.shape)}, expected {list(info.shape)}")
+        check_rows(len(array), config)
+        if rows is not None and len(array) != rows:
+            raise InvalidArgument("all inputs must have the same number of rows")
+        rows = len(array)
+        if info.dtype == "DT_STRING":
+            _check_strings(name, array, config, row_label)
+
+
+def _check_strings(name: str, array: np.ndarray, config: ServeConfig, row_label: RowLabel) -> None:
+    limit = config.max_text_bytes
+    for i, value in enumerate(array.ravel().tolist()):
+        if not isinstance(value, bytes):
+            raise InvalidArgument(f"{row_label(name, i)}: expected bytes, got {type(value).__name__}")
+        if name == TEXT_INPUT:
+            check_text(value, row_label(name, i), config)
+        elif len(value) > limit:
+            raise InvalidArgument(f"{row_label(name, i)}: value is {len(value)} bytes, more than the limit of {limit}")
+
+
+__all__ = ["ServingCore", "Sentiment", "ServingError", "check_rows", "check_text", "validate_inputs"]

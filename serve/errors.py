@@ -1,90 +1,109 @@
-"""Serving errors: one base class, each kind mapped to an HTTP status and a gRPC status code.
+"""Serving errors: neutral kinds raised by the core, mapped to a status at each protocol edge.
 
-Both frontends (REST here, gRPC later) raise and catch these; the core never builds HTTP or
-gRPC responses itself. The table follows TF Serving (tensorflow/serving util/net_http status).
+The core (registry, batcher, validation) never knows HTTP or gRPC. Each error carries a `Code`
+named like TensorFlow's / absl's status codes (the same names as `grpc.StatusCode`); the REST edge
+maps it to an HTTP status with TF Serving's table (`http_server.cc: ToHTTPStatusCode`) and the
+gRPC edge to the `grpc.StatusCode` of the same name.
 """
 
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class Code(enum.Enum):
+    """Canonical status codes (tensorflow/core/protobuf/error_codes.proto)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class ServingError(Exception):
-    """Base of every error the serving core reports to a client."""
+    """Base of every error the serving core reports to a client; `message` is safe to send."""
 
-    http_status: int = 500
-    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    code: Code = Code.INTERNAL
+    retryable: bool = False
+    """True when the same request may succeed a moment later (edges add Retry-After)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
-    def to_json(self) -> dict[str, str]:
-        return {"error": self.message}
-
 
 class InvalidArgument(ServingError, ValueError):
-    """Malformed request: bad JSON, wrong types, empty or oversized inputs."""
+    """Malformed request: bad JSON or protobuf, wrong types, empty or oversized inputs."""
 
-    http_status = 400
-    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    code = Code.INVALID_ARGUMENT
 
 
 class NotFound(ServingError, LookupError):
     """Unknown model, version, label or signature."""
 
-    http_status = 404
-    grpc_code = grpc.StatusCode.NOT_FOUND
-
-
-class TooLarge(ServingError):
-    """Request body over the configured limit."""
-
-    http_status = 413
-    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.NOT_FOUND
 
 
 class Overloaded(ServingError):
-    """Queue of pending work is full; safe to retry after a short wait."""
+    """The queue of pending work is full; safe to retry after a short wait."""
 
-    http_status = 429
-    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
+    retryable = True
 
-    def __init__(self, message: str, http_status: int = 429) -> None:
-        super().__init__(message)
-        self.http_status = http_status
-        if http_status == 503:
-            self.grpc_code = grpc.StatusCode.UNAVAILABLE
+
+class Unavailable(ServingError):
+    """No model version loaded yet, the server is shutting down, or (configured) overload."""
+
+    code = Code.UNAVAILABLE
+    retryable = True
 
 
 class DeadlineExceeded(ServingError, TimeoutError):
     """The request did not complete within its deadline."""
 
-    http_status = 504
-    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = Code.DEADLINE_EXCEEDED
 
 
-class Unavailable(ServingError):
-    """No model loaded yet, or the server is shutting down; safe to retry elsewhere."""
+class Unimplemented(ServingError):
+    """A method this server does not offer."""
 
-    http_status = 503
-    grpc_code = grpc.StatusCode.UNAVAILABLE
+    code = Code.UNIMPLEMENTED
+
+
+class FailedPrecondition(ServingError):
+    """The request is valid but the model cannot answer it (e.g. it has no such signature kind)."""
+
+    code = Code.FAILED_PRECONDITION
 
 
 class Internal(ServingError):
     """Unexpected failure inside the model call."""
 
-    http_status = 500
-    grpc_code = grpc.StatusCode.INTERNAL
+    code = Code.INTERNAL
 
 
 __all__ = [
+    "Code",
     "ServingError",
     "InvalidArgument",
     "NotFound",
-    "TooLarge",
     "Overloaded",
-    "DeadlineExceeded",
     "Unavailable",
+    "DeadlineExceeded",
+    "Unimplemented",
+    "FailedPrecondition",
     "Internal",
 ]

@@ -41,7 +41,19 @@ class Metrics:
         self.live_versions = Gauge(
             "serve_model_versions_live", "Number of loaded, warm versions.", ["model"], registry=r,
         )
-        self.in_flight = Gauge("serve_in_flight_requests", "Requests being handled.", registry=r)
+        self.in_flight = 0
+        """Requests being handled (a plain counter, read by the gauge when scraped)."""
+        Gauge("serve_in_flight_requests", "Requests being handled.", registry=r).set_function(lambda: self.in_flight)
+        self._children: dict[tuple[str, str], tuple] = {}
+
+    def observe_request(self, route: str, code: str, seconds: float) -> None:
+        """Count one answered request; the labelled children are cached (labels() locks and hashes)."""
+        children = self._children.get((route, code))
+        if children is None:
+            children = self._children[(route, code)] = (
+                self.requests.labels(route, code), self.latency.labels(route))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_batch(self, rows: int, requests: int, seconds: float) -> None:
         self.batch_size.observe(rows)

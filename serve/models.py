@@ -1,10 +1,11 @@
-"""Model registry: find versions under the model dir, load and warm them up, switch atomically.
+"""Model registry: find versions under a model's base path, load and warm them up, switch atomically.
 
-A version is an integer subdirectory of `model_dir` holding a SavedModel. The poller thread
+A version is an integer subdirectory of the base path holding a SavedModel. A poller thread
 rescans the directory; a new version is loaded and warmed up (replaying
 `assets.extra/tf_serving_warmup_requests`) while the current one keeps serving, then the set of
 live versions is replaced in one assignment. Requests hold a reference to the `LoadedModel`
-they resolved, so a version that is unloaded while they run still finishes them.
+they resolved, so a version that is unloaded while they run still finishes them. TensorFlow is
+imported only when the first version loads.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from serve.config import ServeConfig
+from serve.config import ServeConfig, VersionPolicy
 from serve.errors import InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,22 @@ PREDICT_METHOD = "tensorflow/serving/predict"
 CLASSIFY_METHOD = "tensorflow/serving/classify"
 REGRESS_METHOD = "tensorflow/serving/regress"
 MAX_LOAD_ATTEMPTS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """One served model: its name, where its versions live, which of them to serve."""
+
+    name: str
+    base_path: str
+    version_policy: VersionPolicy = "latest"
+    versions: tuple[int, ...] = ()
+    """Versions to serve with the `specific` policy."""
+    version_labels: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> "ModelSource":
+        return cls(config.model_name, config.model_dir, config.version_policy, config.versions, config.version_labels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,27 +230,34 @@ def discover_versions(model_dir: str | os.PathLike) -> list[int]:
     return sorted(versions)
 
 
-def select_versions(config: ServeConfig, on_disk: list[int]) -> set[int]:
+def select_versions(source: ModelSource, on_disk: list[int]) -> set[int]:
     """The versions the policy wants served, out of those on disk."""
     if not on_disk:
         return set()
-    if config.version_policy == "latest":
+    if source.version_policy == "latest":
         return {max(on_disk)}
-    if config.version_policy == "all":
+    if source.version_policy == "all":
         return set(on_disk)
-    return set(config.versions) & set(on_disk)
+    return set(source.versions) & set(on_disk)
 
 
 class ModelRegistry:
     """Live versions of one model. `refresh()` is the only writer; readers never lock."""
 
-    def __init__(self, config: ServeConfig, on_change: Callable[[ModelRegistry], None] | None = None) -> None:
+    def __init__(
+        self,
+        source: ModelSource,
+        config: ServeConfig,
+        on_change: Callable[["ModelRegistry"], None] | None = None,
+    ) -> None:
+        self.source = source
+        self.name = source.name
         self.config = config
         self._on_change = on_change
         self._live: dict[int, LoadedModel] = {}
         self._status: dict[int, VersionStatus] = {}
         self._failed: dict[int, tuple[int, tuple[int, float]]] = {}  # version -> (attempts, dir fingerprint)
-        self._labels = dict(config.version_labels)
+        self._labels = dict(source.version_labels)
         self._refresh_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -249,29 +273,26 @@ class ModelRegistry:
         return sorted(self._live)
 
     def get(self, version: int | None = None, label: str | None = None) -> LoadedModel:
-        name = self.config.model_name
         live = self._live
         if label is not None:
-            if label not in self._labels:
-                raise NotFound(f"Unrecognized servable version label: {label}")
-            version = self._labels[label]
+            version = self.label_version(label)
         if version is None:
             if not live:
-                raise Unavailable(f"Servable not found for request: Latest({name}): no version loaded yet")
+                raise Unavailable(f"Servable not found for request: Latest({self.name}): no version loaded yet")
             return live[max(live)]
         model = live.get(version)
         if model is None:
-            raise NotFound(f"Servable not found for request: Specific({name}, {version})")
+            raise NotFound(f"Servable not found for request: Specific({self.name}, {version})")
         return model
 
     def status(self, version: int | None = None) -> list[VersionStatus]:
         statuses = dict(self._status)
         if version is not None:
             if version not in statuses:
-                raise NotFound(f"Could not find version {version} of model {self.config.model_name}")
+                raise NotFound(f"Could not find version {version} of model {self.name}")
             return [statuses[version]]
         if not statuses:
-            raise NotFound(f"Could not find any versions of model {self.config.model_name}")
+            raise NotFound(f"Could not find any versions of model {self.name}")
         return [statuses[v] for v in sorted(statuses, reverse=True)]
 
     def label_version(self, label: str) -> int:
@@ -284,7 +305,7 @@ class ModelRegistry:
     def refresh(self) -> None:
         """One poll: load aspired versions (warm before going live), then unload the rest."""
         with self._refresh_lock:
-            aspired = select_versions(self.config, discover_versions(self.config.model_dir))
+            aspired = select_versions(self.source, discover_versions(self.source.base_path))
             for version in sorted(aspired - set(self._live), reverse=True):
                 if self._stop.is_set():
                     return
@@ -298,12 +319,12 @@ class ModelRegistry:
                     self._unload(version)
 
     def _version_dir(self, version: int) -> Path:
-        return Path(self.config.model_dir) / str(version)
+        return Path(self.source.base_path) / str(version)
 
     def _load(self, version: int) -> None:
         path = self._version_dir(version)
         self._status[version] = VersionStatus(version, "LOADING")
-        log.info("loading model %s version %d from %s", self.config.model_name, version, path)
+        log.info("loading model %s version %d from %s", self.name, version, path)
         start = time.perf_counter()
         try:
             model = LoadedModel(version, path, self.config.model_delay_s)
@@ -316,13 +337,13 @@ class ModelRegistry:
             message = f"{type(exc).__name__}: {exc}".strip()[:2000]
             self._status[version] = VersionStatus(version, "END", "UNKNOWN", message)
             log.warning("model %s version %d failed to load (attempt %d/%d): %s",
-                        self.config.model_name, version, attempts, MAX_LOAD_ATTEMPTS, message)
+                        self.name, version, attempts, MAX_LOAD_ATTEMPTS, message)
             return
         self._failed.pop(version, None)
         self._live = {**self._live, version: model}  # the atomic switch
         self._status[version] = VersionStatus(version, "AVAILABLE")
         log.info("model %s version %d live after %.2fs (%d warmup calls)",
-                 self.config.model_name, version, time.perf_counter() - start, calls)
+                 self.name, version, time.perf_counter() - start, calls)
         if self._on_change:
             self._on_change(self)
 
@@ -332,13 +353,13 @@ class ModelRegistry:
         live.pop(version, None)
         self._live = live
         self._status[version] = VersionStatus(version, "END")
-        log.info("model %s version %d unloaded", self.config.model_name, version)
+        log.info("model %s version %d unloaded", self.name, version)
         if self._on_change:
             self._on_change(self)
 
     def start(self) -> None:
         """Load in the background now, then poll every `poll_interval_s` (if > 0)."""
-        self._thread = threading.Thread(target=self._poll, name="model-poller", daemon=True)
+        self._thread = threading.Thread(target=self._poll, name=f"poller-{self.name}", daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
@@ -346,18 +367,12 @@ class ModelRegistry:
             try:
                 self.refresh()
                 if not self._live and not self._status:
-                    log.warning("no servable versions under %s yet", self.config.model_dir)
+                    log.warning("no servable versions of model %s under %s yet", self.name, self.source.base_path)
             except Exception:  # noqa: BLE001 - keep polling
                 log.exception("model poll failed")
             if self.config.poll_interval_s <= 0 and self._live:
                 return
             self._stop.wait(self.config.poll_interval_s or 1.0)
-
-    def wait_ready(self, timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        while not self._live and time.monotonic() < end:
-            time.sleep(0.05)
-        return bool(self._live)
 
     def stop(self) -> None:
         self._stop.set()

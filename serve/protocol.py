@@ -1,37 +1,34 @@
-"""TF Serving REST protocol at the edge: JSON in -> numpy arrays, numpy out -> JSON.
+"""TF Serving's REST protocol at the edge: JSON in -> plain values, numpy out -> JSON.
 
 Follows tensorflow_serving/util/json_tensor.cc: row format (`instances`) and columnar format
 (`inputs`), `{"b64": ...}` for binary strings, `predictions` / `outputs` in the response, and
-`results` for :classify. Every validation failure is `InvalidArgument` with a clear message.
+`results` for :classify. Only decoding lives here: what the values must satisfy (names, dtypes,
+row counts, text limits) is checked once by the core for every edge. Malformed JSON structure is
+`InvalidArgument` with a message that says where.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import json
+import functools
 import re
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
+import orjson
 
-from serve.config import ServeConfig
 from serve.errors import InvalidArgument
 from serve.models import Signature
+from serve.tensors import NUMPY_DTYPES
 
 # The URL grammar of TF Serving's http_rest_api_handler.cc (case-insensitive).
 _PREDICT_RE = re.compile(
     r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)"
 )
 _STATUS_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:/(metadata))?")
-
-_DTYPES = {
-    "DT_FLOAT": np.float32, "DT_DOUBLE": np.float64, "DT_INT32": np.int32, "DT_INT64": np.int64,
-    "DT_INT16": np.int16, "DT_INT8": np.int8, "DT_UINT8": np.uint8, "DT_BOOL": np.bool_,
-    "DT_HALF": np.float16,
-}
 
 
 @dataclass(frozen=True)
@@ -43,11 +40,12 @@ class ModelPath:
     """`predict`, `classify`, `regress` for POST; `metadata` or None (status) for GET."""
 
 
+@functools.lru_cache(maxsize=1024)  # clients repeat the same few paths
 def parse_model_path(method: str, raw_path: str) -> ModelPath:
     """Match a /v1/models/... path (raw, still URL-encoded) like TF Serving; names are URL-decoded."""
     regex = _PREDICT_RE if method == "POST" else _STATUS_RE
     match = regex.fullmatch(raw_path)
-    if match is None or (method == "GET" and match.group(1) is None):
+    if match is None or (method != "POST" and match.group(1) is None):
         raise InvalidArgument(f"Malformed request: {method} {urllib.parse.unquote(raw_path)}")
     name, version, label, verb = match.groups()
     if version is not None and len(version) > 18:
@@ -65,22 +63,24 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise InvalidArgument("request body is empty: expected a JSON object")
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidArgument(f"request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        body = json.loads(text)
-    except ValueError as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise InvalidArgument(f"request body is not valid UTF-8 (byte {bad.start})") from None
         raise InvalidArgument(f"JSON Parse error: {exc}") from None
-    except RecursionError:
-        raise InvalidArgument("JSON Parse error: nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidArgument(f"request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
-def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+def signature_name(body: Mapping[str, Any], default: str = "serving_default") -> str:
+    """The request's `signature_name` (TF Serving: absent or empty means the default)."""
+    name = body.get("signature_name", "")
+    if not isinstance(name, str):
+        raise InvalidArgument("'signature_name' key must be a string value.")
+    return name or default
 
 
 # -- values ------------------------------------------------------------------------------------
@@ -88,22 +88,23 @@ def dumps(obj: Any) -> bytes:
 
 def _bytes_value(value: Any, where: str) -> bytes:
     if isinstance(value, str):
-        try:
-            return value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidArgument(f"{where}: string is not valid UTF-8 (lone surrogate escape)") from None
+        # Lone surrogates survive as invalid UTF-8, which the core reports for text inputs.
+        return value.encode("utf-8", "surrogatepass")
     if isinstance(value, dict) and set(value) == {"b64"}:
-        b64 = value["b64"]
-        if not isinstance(b64, str):
-            raise InvalidArgument(f"{where}: 'b64' value must be a base64 string")
-        try:
-            return base64.b64decode(b64, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidArgument(f"{where}: 'b64' value is not valid base64") from None
-    raise InvalidArgument(f"{where}: expected a string or {{\"b64\": ...}}, got {_describe(value)}")
+        return decode_b64(value["b64"], where)
+    raise InvalidArgument(f"{where}: expected a string or {{\"b64\": ...}}, got {describe(value)}")
 
 
-def _describe(value: Any) -> str:
+def decode_b64(b64: Any, where: str) -> bytes:
+    if not isinstance(b64, str):
+        raise InvalidArgument(f"{where}: 'b64' value must be a base64 string")
+    try:
+        return base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(f"{where}: 'b64' value is not valid base64") from None
+
+
+def describe(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -117,55 +118,25 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def check_text(data: bytes, where: str, config: ServeConfig) -> None:
-    """A review text: non-empty, valid UTF-8, at most `max_text_bytes`."""
-    if not data.strip():
-        raise InvalidArgument(f"{where}: text is empty")
-    if len(data) > config.max_text_bytes:
-        raise InvalidArgument(f"{where}: text is {len(data)} bytes, more than the limit of {config.max_text_bytes}")
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidArgument(f"{where}: text is not valid UTF-8") from None
-
-
-def _column(name: str, values: list[Any], info, config: ServeConfig, where: str) -> np.ndarray:
-    if info.dtype == "DT_STRING":
-        arr = np.empty(len(values), dtype=object)
+def _column(name: str, values: list[Any], dtype: str, where: str) -> np.ndarray:
+    if dtype == "DT_STRING":
+        array = np.empty(len(values), dtype=object)
         for i, value in enumerate(values):
-            data = _bytes_value(value, f"{where}[{i}]")
-            if name == "text":
-                check_text(data, f"{where}[{i}]", config)
-            elif len(data) > config.max_text_bytes:
-                raise InvalidArgument(f"{where}[{i}]: value is {len(data)} bytes, more than {config.max_text_bytes}")
-            arr[i] = data
-        if info.shape is not None and len(info.shape) != 1:
-            raise InvalidArgument(f"{where}: input {name!r} needs rank {len(info.shape)}, string inputs of rank 1 only")
-        return arr
-    dtype = _DTYPES.get(info.dtype)
-    if dtype is None:
-        raise InvalidArgument(f"input {name!r} has unsupported dtype {info.dtype}")
+            array[i] = _bytes_value(value, f"{where}[{i}]")
+        return array
+    numpy_dtype = NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is None:
+        raise InvalidArgument(f"input {name!r} has unsupported dtype {dtype}")
     try:
-        arr = np.asarray(values, dtype=dtype)
+        return np.asarray(values, dtype=numpy_dtype)
     except (TypeError, ValueError):
-        raise InvalidArgument(f"{where}: values of input {name!r} must be numbers of one shape ({info.dtype})") from None
-    if info.shape is not None:
-        if arr.ndim != len(info.shape) or any(d not in (-1, a) for d, a in zip(info.shape[1:], arr.shape[1:])):
-            raise InvalidArgument(f"{where}: input {name!r} has shape {list(arr.shape)}, expected {list(info.shape)}")
-    return arr
-
-
-def _check_rows(rows: int, config: ServeConfig) -> None:
-    if rows == 0:
-        raise InvalidArgument("no instances: at least one input row is required")
-    if rows > config.max_rows_per_request:
-        raise InvalidArgument(f"{rows} instances in one request, more than the limit of {config.max_rows_per_request}")
+        raise InvalidArgument(f"{where}: values of input {name!r} must be numbers of one shape ({dtype})") from None
 
 
 # -- predict -----------------------------------------------------------------------------------
 
 
-def parse_predict(body: Mapping[str, Any], signature: Signature, config: ServeConfig) -> tuple[dict[str, np.ndarray], bool]:
+def parse_predict(body: Mapping[str, Any], signature: Signature) -> tuple[dict[str, np.ndarray], bool]:
     """Predict request -> (input arrays by name, row_format)."""
     has_instances, has_inputs = "instances" in body, "inputs" in body
     if has_instances and has_inputs:
@@ -176,24 +147,22 @@ def parse_predict(body: Mapping[str, Any], signature: Signature, config: ServeCo
     if has_instances:
         instances = body["instances"]
         if not isinstance(instances, list):
-            raise InvalidArgument(f"'instances' must be a list, got {_describe(instances)}")
-        _check_rows(len(instances), config)
+            raise InvalidArgument(f"'instances' must be a list, got {describe(instances)}")
         columns: dict[str, list[Any]] = {n: [] for n in names}
         for i, item in enumerate(instances):
-            named = isinstance(item, dict) and not (set(item) == {"b64"})
+            named = isinstance(item, dict) and set(item) != {"b64"}
             if len(names) == 1 and not named:
                 columns[names[0]].append(item)
                 continue
             if not named:
-                raise InvalidArgument(f"instances[{i}]: expected an object with keys {names}, got {_describe(item)}")
+                raise InvalidArgument(f"instances[{i}]: expected an object with keys {names}, got {describe(item)}")
             if set(item) != set(names):
                 raise InvalidArgument(f"instances[{i}]: expected keys {names}, got {sorted(item)}")
             for n in names:
                 columns[n].append(item[n])
-        arrays = {n: _column(n, columns[n], signature.inputs[n], config, "instances") for n in names}
-        return arrays, True
+        return {n: _column(n, columns[n], signature.inputs[n].dtype, "instances") for n in names}, True
     inputs = body["inputs"]
-    if isinstance(inputs, dict) and not (set(inputs) == {"b64"}):
+    if isinstance(inputs, dict) and set(inputs) != {"b64"}:
         if set(inputs) != set(names):
             raise InvalidArgument(f"'inputs' must have keys {names}, got {sorted(inputs)}")
         by_name = inputs
@@ -204,21 +173,26 @@ def parse_predict(body: Mapping[str, Any], signature: Signature, config: ServeCo
     arrays = {}
     for n in names:
         values = by_name[n]
-        if not isinstance(values, list):
-            values = [values]
-        _check_rows(len(values), config)
-        arrays[n] = _column(n, values, signature.inputs[n], config, f"inputs[{n!r}]")
-    if len({len(a) for a in arrays.values()}) > 1:
-        raise InvalidArgument("all 'inputs' must have the same number of rows")
+        arrays[n] = _column(n, values if isinstance(values, list) else [values], signature.inputs[n].dtype,
+                            f"inputs[{n!r}]")
     return arrays, False
 
 
-def _jsonable(name: str, array: np.ndarray) -> list[Any]:
+def instances_label(_name: str, row: int) -> str:
+    return f"instances[{row}]"
+
+
+def inputs_label(name: str, row: int) -> str:
+    return f"inputs[{name!r}][{row}]"
+
+
+def _jsonable(name: str, array: np.ndarray) -> Any:
+    """Strings as text (or b64); numbers stay numpy, written directly by the JSON encoder."""
     if array.dtype == object:
-        return [_json_bytes(name, x) for x in array.ravel()] if array.ndim <= 1 else [
-            _jsonable(name, row) for row in array
-        ]
-    return array.tolist()
+        if array.ndim <= 1:
+            return [_json_bytes(name, x) for x in array.ravel().tolist()]
+        return [_jsonable(name, row) for row in array]
+    return array
 
 
 def _json_bytes(name: str, value: bytes) -> Any:
@@ -247,52 +221,45 @@ def format_predict(outputs: Mapping[str, np.ndarray], row_format: bool) -> dict[
 # -- classify ----------------------------------------------------------------------------------
 
 
-def _feature(feature, value: Any, where: str, key: str, config: ServeConfig) -> None:
+def _feature(feature, value: Any, where: str) -> None:
     values = value if isinstance(value, list) else [value]
     if not values:
         return
-    if all(isinstance(v, bool) or isinstance(v, int) for v in values):
+    if all(isinstance(v, (bool, int)) for v in values):
         feature.int64_list.value.extend(int(v) for v in values)
     elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         feature.float_list.value.extend(float(v) for v in values)
     else:
-        data = [_bytes_value(v, f"{where}.{key}") for v in values]
-        if key == "text":
-            for d in data:
-                check_text(d, f"{where}.{key}", config)
-        feature.bytes_list.value.extend(data)
+        feature.bytes_list.value.extend(_bytes_value(v, where) for v in values)
 
 
-def parse_classify(body: Mapping[str, Any], config: ServeConfig) -> tuple[str, np.ndarray]:
-    """Classify request -> (signature_name or "", serialized tf.train.Example per example)."""
-    from tensorflow.core.example import example_pb2
+def parse_classify(body: Mapping[str, Any]) -> tuple[str, list]:
+    """Classify request -> (signature_name or "", a tf.train.Example per example, context merged in)."""
+    from tensorflow.core.example import example_pb2  # TensorFlow is loaded with the model by now
 
-    signature_name = body.get("signature_name", "")
-    if not isinstance(signature_name, str):
-        raise InvalidArgument("'signature_name' must be a string")
+    name = signature_name(body, default="")
     examples = body.get("examples")
     if examples is None:
         raise InvalidArgument("Missing 'examples' key")
     if not isinstance(examples, list):
-        raise InvalidArgument(f"'examples' must be a list of objects, got {_describe(examples)}")
-    _check_rows(len(examples), config)
+        raise InvalidArgument(f"'examples' must be a list of objects, got {describe(examples)}")
     context = body.get("context", {})
     if not isinstance(context, dict):
         raise InvalidArgument("'context' must be an object of features")
-    serialized = np.empty(len(examples), dtype=object)
+    protos = []
     for i, ex in enumerate(examples):
         if not isinstance(ex, dict):
-            raise InvalidArgument(f"examples[{i}]: expected an object of features, got {_describe(ex)}")
+            raise InvalidArgument(f"examples[{i}]: expected an object of features, got {describe(ex)}")
         proto = example_pb2.Example()
         for key, value in {**context, **ex}.items():
-            _feature(proto.features.feature[key], value, f"examples[{i}]", key, config)
-        serialized[i] = proto.SerializeToString()
-    return signature_name, serialized
+            _feature(proto.features.feature[key], value, f"examples[{i}].{key}")
+        protos.append(proto)
+    return name, protos
 
 
 def format_classify(classes: np.ndarray, scores: np.ndarray) -> dict[str, Any]:
     results = []
-    for row_classes, row_scores in zip(classes, scores.tolist()):
+    for row_classes, row_scores in zip(classes.tolist(), scores):  # scores stay float32 (see dumps)
         results.append([[c.decode("utf-8"), s] for c, s in zip(row_classes, row_scores)])
     return {"results": results}
 
@@ -300,16 +267,16 @@ def format_classify(classes: np.ndarray, scores: np.ndarray) -> dict[str, Any]:
 # -- friendly API ------------------------------------------------------------------------------
 
 
-def parse_sentiment(body: Mapping[str, Any], config: ServeConfig) -> list[str]:
-    """`{"texts": ["...", ...]}` -> texts."""
+def parse_sentiment(body: Mapping[str, Any]) -> list[bytes]:
+    """`{"texts": ["...", ...]}` -> UTF-8 texts (checked by the core)."""
     texts = body.get("texts")
     if texts is None:
         raise InvalidArgument("Missing 'texts' key: expected {\"texts\": [\"review\", ...]}")
     if not isinstance(texts, list):
-        raise InvalidArgument(f"'texts' must be a list of strings, got {_describe(texts)}")
-    _check_rows(len(texts), config)
+        raise InvalidArgument(f"'texts' must be a list of strings, got {describe(texts)}")
+    out = []
     for i, text in enumerate(texts):
         if not isinstance(text, str):
-            raise InvalidArgument(f"texts[{i}]: expected a string, got {_describe(text)}")
-        check_text(text.encode("utf-8", "surrogatepass"), f"texts[{i}]", config)
-    return texts
+            raise InvalidArgument(f"texts[{i}]: expected a string, got {describe(text)}")
+        out.append(text.encode("utf-8", "surrogatepass"))
+    return out

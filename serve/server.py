@@ -1,95 +1,192 @@
-"""Run the REST app under waitress with graceful shutdown.
+"""Run the server: the REST app under uvicorn (uvloop + httptools) and gRPC on grpc.aio, one event
+loop and one core per process; `--workers N` runs N such processes on the same ports.
 
-On SIGTERM (or SIGINT): readiness turns false, the listening socket closes (no new
-connections), requests already received run to completion and their responses are flushed,
-bounded by `drain_timeout_s`; then the process exits 0.
+Shutdown on SIGTERM or SIGINT: readiness turns false, the listening sockets close, idle keep-alive
+connections close, every request already received is answered (with `Connection: close`), then
+the process exits 0 - or 1, with a log line, if some request was still running when
+`--drain-timeout` ran out and had to be abandoned.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import importlib
 import logging
+import resource
 import signal
-import threading
-import time
+import socket
+import sys
+from typing import Iterator
 
-from waitress import wasyncore
-from waitress.channel import HTTPChannel
-from waitress.server import create_server
+import uvicorn
 
-from serve.app import create_app
 from serve.config import ServeConfig
+from serve.connection import ConnectionLimits, protocol_class
 from serve.core import ServingCore
+from serve.rest import create_app
 
 log = logging.getLogger(__name__)
 
+LISTEN_BACKLOG = 2048
+EXIT_OK, EXIT_ABANDONED, EXIT_STARTUP = 0, 1, 2
 
-def serve(config: ServeConfig, core: ServingCore | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit code."""
-    core = core or ServingCore(config)
-    core.start()
-    app = create_app(config, core)
-    state = app.extensions["serve"]
-    server = create_server(
-        app,
-        host=config.host,
-        port=config.port,
-        threads=config.threads,
-        connection_limit=config.connection_limit,
-        backlog=1024,
-        channel_timeout=60,
-        # A backstop: the app answers 413 with a JSON body below this.
-        max_request_body_size=config.max_body_bytes * 2 + 65536,
-        ident="sentiment-serve",
-        clear_untrusted_proxy_headers=True,
+
+class StartupError(RuntimeError):
+    """The server cannot start (port in use, bad address); the message names the flag."""
+
+
+def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A listening TCP socket; StartupError naming `flag` if the address cannot be used."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def raise_open_file_limit() -> None:
+    """Each connection is a file descriptor: lift the soft limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn's server with this project's drain: signals are handled by `_serve`, and shutdown
+    waits for requests already received, bounded by the drain timeout, counting what it abandons."""
+
+    def __init__(self, config: uvicorn.Config, limits: ConnectionLimits, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.limits = limits
+        self.drain_timeout_s = drain_timeout_s
+        self.abandoned = 0
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # uvicorn would re-raise the signal at exit, turning a clean drain into exit -15
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.limits.draining = True
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        state = self.server_state
+        for connection in list(state.connections):
+            connection.shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout_s
+        while (state.connections or state.tasks) and loop.time() < deadline and not self.force_exit:
+            await asyncio.sleep(0.02)
+        self.abandoned = len(state.tasks)
+        for task in list(state.tasks):
+            task.cancel()
+        for connection in list(state.connections):
+            connection.transport.close()
+
+
+async def serve_async(config: ServeConfig, sock: socket.socket, *, worker: int | None = None) -> int:
+    """Serve on `sock` (and config.grpc_port) until SIGTERM (or SIGINT, unless this is one of
+    several workers: their supervisor turns Ctrl+C into one SIGTERM each); returns the exit code."""
+    core = ServingCore(config)
+    limits = ConnectionLimits(
+        max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
+        body_timeout_s=config.body_timeout_s, keepalive_timeout_s=config.keepalive_timeout_s,
+        max_header_bytes=config.max_header_bytes, max_body_bytes=config.max_body_bytes,
     )
-    log.info("serving model %r from %s on http://%s:%s (REST, %d threads)",
-             config.model_name, config.model_dir, server.effective_host, server.effective_port, config.threads)
-
+    uconfig = uvicorn.Config(
+        create_app(config, core), http=protocol_class(limits), ws="none", lifespan="off", interface="asgi3",
+        proxy_headers=False, server_header=False, access_log=False, log_config=None, log_level=None,
+        timeout_keep_alive=int(max(1, config.keepalive_timeout_s)), backlog=LISTEN_BACKLOG,
+    )
+    server = _UvicornServer(uconfig, limits, config.drain_timeout_s)
+    loop = asyncio.get_running_loop()
     grpc_server = None
-    if config.grpc_port:  # TF Serving's gRPC API on the same core (models, versions, batcher)
+    grpc_stopped: list[asyncio.Future] = []
+
+    def on_signal(signum: int) -> None:
+        if server.should_exit:
+            log.warning("second %s: stopping now", signal.Signals(signum).name)
+            server.force_exit = True
+            return
+        log.info("received %s: draining (up to %gs)", signal.Signals(signum).name, config.drain_timeout_s)
+        core.begin_drain()
+        server.should_exit = True
+        if grpc_server is not None:
+            grpc_stopped.append(asyncio.ensure_future(grpc_server.stop(config.drain_timeout_s)))
+
+    for sig in (signal.SIGTERM,) if worker is not None else (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    host, port = sock.getsockname()[:2]
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))  # /healthz answers from now on
+    log.info("serving model %r from %s on http://%s:%d (REST)", config.model_name, config.model_dir, host, port)
+    # TensorFlow is imported once, here, before the model loaders and the gRPC edge need it: two
+    # threads importing it at the same time deadlock in its module locks.
+    await asyncio.to_thread(importlib.import_module, "tensorflow")
+    if not server.should_exit:
+        await core.start()
+    if config.grpc_port and not server.should_exit:
         from serve.grpc_server import GrpcServer
 
-        grpc_server = GrpcServer(config, core).start()
+        grpc_server = await GrpcServer(config, core, reuse_port=worker is not None).start()
+    await serving
+    abandoned = server.abandoned
+    if grpc_stopped:
+        abandoned += await grpc_stopped[0]
+    await core.close()
+    received, answered = limits.received, server.server_state.total_requests
+    if abandoned:
+        log.error("drain timeout (%gs): %d request(s) abandoned; %d received, %d answered",
+                  config.drain_timeout_s, abandoned, received, answered)
+        return EXIT_ABANDONED
+    log.info("shut down cleanly: %d HTTP request(s) received, %d answered", received, answered)
+    return EXIT_OK
 
-    stop = threading.Event()
 
-    def on_signal(signum, _frame) -> None:
-        log.info("received %s: draining (up to %.1fs)", signal.Signals(signum).name, config.drain_timeout_s)
-        stop.set()
+def configure_logging(config: ServeConfig, worker: int | None = None) -> None:
+    prefix = f"[worker {worker}] " if worker is not None else ""
+    logging.basicConfig(level=config.log_level.upper(), force=True,
+                        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s")
+    if config.log_level.upper() != "DEBUG":  # uvicorn's own start/stop chatter
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
 
-    socket_map = server._map  # waitress's asyncore map: listener + open channels
-    timeout = 0.05
-    while not stop.is_set():
-        wasyncore.loop(timeout=timeout, map=socket_map, count=1)
+def run_worker(config: ServeConfig, sock: socket.socket, worker: int | None = None) -> int:
+    """One serving process on an already bound socket (also the body of each --workers process)."""
+    import uvloop
 
-    # Drain: stop accepting, finish received requests, flush their responses.
-    core.begin_drain()
-    grpc_stopped = grpc_server.stop(config.drain_timeout_s) if grpc_server else None  # drains concurrently
-    server.accepting = False
-    server.del_channel()
-    server.socket.close()
-    deadline = time.monotonic() + config.drain_timeout_s
-    while time.monotonic() < deadline:
-        busy = state.in_flight > 0
-        for channel in list(socket_map.values()):
-            if not isinstance(channel, HTTPChannel):
-                continue
-            if channel.requests or channel.total_outbufs_len:
-                busy = True
-            else:
-                channel.will_close = True  # idle keep-alive connection: close it, don't take more work
-        if not busy:
-            break
-        wasyncore.loop(timeout=timeout, map=socket_map, count=1)
-    else:
-        log.warning("drain timeout: %d request(s) still in flight", state.in_flight)
-    server.task_dispatcher.shutdown(cancel_pending=True, timeout=1)
-    wasyncore.close_all(socket_map)
-    if grpc_stopped is not None and not grpc_stopped.wait(config.drain_timeout_s + 1):
-        log.warning("gRPC drain timeout")
-    core.close()
-    log.info("shut down cleanly")
-    return 0
+    configure_logging(config, worker)
+    raise_open_file_limit()
+    try:
+        return uvloop.run(serve_async(config, sock, worker=worker))
+    except OSError as exc:  # the gRPC port
+        log.error("%s", exc)
+        return EXIT_STARTUP
+
+
+def serve(config: ServeConfig) -> int:
+    """`python -m serve`: bind the ports, then run one worker here or supervise `config.workers`."""
+    configure_logging(config)
+    try:
+        sock = bind_socket(config.host, config.port)
+        if config.grpc_port:
+            bind_socket(config.host, config.grpc_port, "--grpc-port").close()  # in use by another server?
+    except StartupError as exc:
+        print(f"serve: error: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
+    if config.workers == 1:
+        return run_worker(config, sock)
+    from serve.workers import supervise
+
+    return supervise(config, sock)
+
+
+__all__ = ["serve", "serve_async", "run_worker", "bind_socket", "StartupError"]

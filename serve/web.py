@@ -1,31 +1,42 @@
 """The web page at `GET /`: type reviews, see label and confidence, model version and health.
 
-Plain HTML/CSS/JS from `serve/static/` (no build step, nothing from a CDN). The page calls the
-server's own JSON API (`/v1/sentiment`, `/v1/models/{name}`, `/readyz`) with relative URLs, so it
-also works behind a reverse proxy that mounts the server under a path prefix.
+Plain HTML/CSS/JS from `serve/static/` (no build step, nothing from a CDN), read once at start.
+The page calls the server's own JSON API (`/v1/sentiment`, `/v1/models/{name}`, `/readyz`) with
+relative URLs, so it also works behind a reverse proxy that mounts the server under a prefix.
 """
 
 from __future__ import annotations
 
+import html
 from importlib import resources
 
-from flask import Blueprint, Response, current_app, g
-from markupsafe import escape
-
-web = Blueprint("web", __name__, static_folder="static", static_url_path="/ui")
+from serve.asgi import HttpError, Request, Response
 
 # Only the server's own assets; `data:` for the empty favicon that stops a /favicon.ico request.
-CSP = "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+CSP = b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+_TYPES = {".js": b"text/javascript; charset=utf-8", ".css": b"text/css; charset=utf-8"}
 
 
-@web.before_request
-def _route() -> None:
-    g.route = "web"  # the metrics label for the page and its assets
+class WebPage:
+    def __init__(self, model_name: str) -> None:
+        static = resources.files("serve").joinpath("static")
+        page = static.joinpath("index.html").read_text("utf-8")
+        self._index = page.replace("{{model_name}}", html.escape(model_name, quote=True)).encode("utf-8")
+        self._assets = {
+            entry.name: (entry.read_bytes(), _TYPES[suffix])
+            for entry in static.iterdir()
+            for suffix in [entry.name[entry.name.rfind("."):]]
+            if suffix in _TYPES
+        }
 
+    async def index(self, _request: Request) -> Response:
+        """index.html with the model name put in (the page needs it for /v1/models/NAME)."""
+        return Response(self._index, 200, b"text/html; charset=utf-8",
+                        [(b"content-security-policy", CSP), (b"cache-control", b"no-cache")])
 
-@web.route("/", methods=["GET"])
-def index() -> Response:
-    """index.html with the configured model name put in (the page needs it for /v1/models/NAME)."""
-    page = resources.files("serve").joinpath("static/index.html").read_text("utf-8")
-    page = page.replace("{{model_name}}", str(escape(current_app.extensions["serve"].config.model_name)))
-    return Response(page, mimetype="text/html", headers={"Content-Security-Policy": CSP, "Cache-Control": "no-cache"})
+    async def asset(self, request: Request) -> Response:
+        name = request.match["asset"]
+        if name not in self._assets:
+            raise HttpError(404, f"Not Found: no asset {name!r}")
+        body, content_type = self._assets[name]
+        return Response(body, 200, content_type, [(b"cache-control", b"no-cache")])

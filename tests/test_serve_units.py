@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
 import threading
 import time
 
@@ -10,9 +13,11 @@ import numpy as np
 import pytest
 
 from serve import errors
+from serve.asgi import HTTP_STATUS, dumps, error_response
 from serve.batching import Batcher
 from serve.config import ServeConfig
-from serve.models import Signature, TensorInfo, select_versions
+from serve.core import validate_inputs
+from serve.models import ModelSource, Signature, TensorInfo, select_versions
 from serve.protocol import (
     format_classify, format_predict, parse_classify, parse_json, parse_model_path, parse_predict, parse_sentiment,
 )
@@ -29,42 +34,67 @@ def test_config_defaults_model_name_from_dir():
     assert ServeConfig(model_dir="models/imdb", model_name="x").model_name == "x"
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_batch_size": 0}, "max_batch_size"),
-    ({"version_policy": "newest"}, "version_policy"),
-    ({"version_policy": "specific"}, "versions"),
-    ({"versions": (1,)}, "versions"),
-    ({"request_timeout_s": 0}, "request_timeout_s"),
-    ({"overload_status": 500}, "overload_status"),
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_batch_size": 0}, "--max-batch-size 0: must be at least 1"),
+    ({"version_policy": "newest"}, "--version-policy 'newest': expected latest, all or specific"),
+    ({"version_policy": "specific"}, "--version-policy specific needs --versions N[,M...]"),
+    ({"versions": (1,)}, "--versions is only valid with --version-policy specific"),
+    ({"request_timeout_s": 0}, "--request-timeout 0: must be positive"),
+    ({"header_timeout_s": -1}, "--header-timeout -1: must be positive"),
+    ({"overload_status": 500}, "--overload-status 500: must be 429 or 503"),
+    ({"grpc_port": 70000}, "--grpc-port 70000: must be in 0..65535"),
 ])
-def test_config_rejects_bad_values_naming_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
+    with pytest.raises(ValueError) as info:
         ServeConfig(model_dir="m", **kwargs)
+    assert str(info.value) == message
 
 
 def test_version_policies():
     on_disk = [1, 2, 5]
-    assert select_versions(ServeConfig(model_dir="m"), on_disk) == {5}
-    assert select_versions(ServeConfig(model_dir="m", version_policy="all"), on_disk) == {1, 2, 5}
-    assert select_versions(ServeConfig(model_dir="m", version_policy="specific", versions=(2, 3)), on_disk) == {2}
-    assert select_versions(ServeConfig(model_dir="m"), []) == set()
+    assert select_versions(ModelSource("m", "m"), on_disk) == {5}
+    assert select_versions(ModelSource("m", "m", "all"), on_disk) == {1, 2, 5}
+    assert select_versions(ModelSource("m", "m", "specific", (2, 3)), on_disk) == {2}
+    assert select_versions(ModelSource("m", "m"), []) == set()
+
+
+def test_cli_is_generated_from_the_config():
+    from serve.__main__ import parse_args
+
+    config = parse_args(["--model-dir", "models/x", "--batch-timeout-ms", "5", "--versions", "1,2",
+                         "--version-policy", "specific", "--version-labels", "stable=1", "--cors-origins", "*",
+                         "--no-warmup", "--request-timeout", "3"])
+    assert (config.batch_timeout_s, config.versions, config.version_labels, config.cors_origins) == (
+        0.005, (1, 2), (("stable", 1),), ("*",))
+    assert (config.warmup, config.request_timeout_s, config.model_name) == (False, 3.0, "x")
 
 
 # -- errors --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("exc, http, code", [
-    (errors.InvalidArgument("x"), 400, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.NotFound("x"), 404, grpc.StatusCode.NOT_FOUND),
-    (errors.TooLarge("x"), 413, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.Overloaded("x"), 429, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.Overloaded("x", 503), 503, grpc.StatusCode.UNAVAILABLE),
-    (errors.DeadlineExceeded("x"), 504, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (errors.Unavailable("x"), 503, grpc.StatusCode.UNAVAILABLE),
-    (errors.Internal("x"), 500, grpc.StatusCode.INTERNAL),
+@pytest.mark.parametrize("exc, http, code, retry", [
+    (errors.InvalidArgument("x"), 400, grpc.StatusCode.INVALID_ARGUMENT, False),
+    (errors.NotFound("x"), 404, grpc.StatusCode.NOT_FOUND, False),
+    (errors.Overloaded("x"), 429, grpc.StatusCode.RESOURCE_EXHAUSTED, True),
+    (errors.DeadlineExceeded("x"), 504, grpc.StatusCode.DEADLINE_EXCEEDED, False),
+    (errors.Unavailable("x"), 503, grpc.StatusCode.UNAVAILABLE, True),
+    (errors.Internal("x"), 500, grpc.StatusCode.INTERNAL, False),
 ])
-def test_error_table(exc, http, code):
+def test_neutral_errors_map_to_http_and_grpc_at_the_edges(exc, http, code, retry):
     assert isinstance(exc, errors.ServingError)
-    assert (exc.http_status, exc.grpc_code, exc.to_json()) == (http, code, {"error": "x"})
+    response = error_response(exc)
+    assert (response.status, json.loads(response.body)) == (http, {"error": "x"})
+    assert (("retry-after", "1") in [(k.decode(), v.decode()) for k, v in response.headers]) is retry
+    assert grpc.StatusCode[exc.code.name] == code  # the gRPC edge's mapping
+
+
+def test_http_table_is_tf_servings():
+    # tensorflow_serving/model_servers/http_server.cc: ToHTTPStatusCode
+    assert {c.name: s for c, s in HTTP_STATUS.items()} == {
+        "OK": 200, "CANCELLED": 499, "UNKNOWN": 500, "INVALID_ARGUMENT": 400, "DEADLINE_EXCEEDED": 504,
+        "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429,
+        "FAILED_PRECONDITION": 400, "ABORTED": 409, "OUT_OF_RANGE": 400, "UNIMPLEMENTED": 501, "INTERNAL": 500,
+        "UNAVAILABLE": 503, "DATA_LOSS": 500, "UNAUTHENTICATED": 401}
+    assert "grpc" not in sys.modules["serve.errors"].__dict__
 
 
 # -- batcher -------------------------------------------------------------------------------------
@@ -74,84 +104,123 @@ class Doubler:
 
     def __init__(self, delay: float = 0.0) -> None:
         self.calls: list[int] = []
+        self.threads: list[str] = []
         self.delay = delay
 
     def __call__(self, inputs):
         self.calls.append(len(inputs["x"]))
+        self.threads.append(threading.current_thread().name)
         time.sleep(self.delay)
         if (inputs["x"] < 0).any():
             raise ValueError("negative input")
         return {"y": inputs["x"] * 2}
 
 
-def _concurrently(n, fn):
-    results, threads = [None] * n, []
-    for i in range(n):
-        def run(i=i):
-            try:
-                results[i] = fn(i)
-            except Exception as exc:  # noqa: BLE001
-                results[i] = exc
-        threads.append(threading.Thread(target=run))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+def run_batcher(coro_fn, **kwargs):
+    """Run `coro_fn(batcher)` on a fresh event loop with a started batcher, then close it."""
+    async def main():
+        batcher = Batcher(overloaded=errors.Overloaded, **kwargs).start()
+        try:
+            return await coro_fn(batcher)
+        finally:
+            await batcher.close(5)
+
+    return asyncio.run(main())
+
+
+async def _gather(batcher, model, inputs, timeout=5.0):
+    return await asyncio.gather(*(batcher.submit(model, x, timeout) for x in inputs), return_exceptions=True)
 
 
 def test_batcher_merges_concurrent_requests_and_returns_each_its_slice():
     model = Doubler(delay=0.01)
-    batcher = Batcher(max_batch_size=16, batch_timeout_s=0.02, max_queued_rows=1000)
-    try:
-        results = _concurrently(
-            32, lambda i: batcher.submit(model, {"x": np.arange(i, i + 2)}, time.monotonic() + 5))
-    finally:
-        batcher.close()
+    results = run_batcher(lambda b: _gather(b, model, [{"x": np.arange(i, i + 2)} for i in range(32)]),
+                          max_batch_size=16, batch_timeout_s=0.02, max_queued_rows=1000)
     for i, result in enumerate(results):
         np.testing.assert_array_equal(result["y"], np.arange(i, i + 2) * 2)
     assert max(model.calls) > 2 and max(model.calls) <= 16 and sum(model.calls) == 64
+    assert set(model.threads) == {"model_0"}  # the model runs off the event loop
 
 
 def test_batcher_overload_fails_fast():
     model = Doubler(delay=0.2)
-    batcher = Batcher(max_batch_size=1, batch_timeout_s=0, max_queued_rows=2)
-    try:
-        results = _concurrently(8, lambda i: batcher.submit(model, {"x": np.array([i])}, time.monotonic() + 5))
-    finally:
-        batcher.close()
+    results = run_batcher(lambda b: _gather(b, model, [{"x": np.array([i])} for i in range(8)]),
+                          max_batch_size=1, batch_timeout_s=0, max_queued_rows=2)
     overloaded = [r for r in results if isinstance(r, errors.Overloaded)]
     assert overloaded and all(isinstance(r, (dict, errors.Overloaded)) for r in results)
     assert "overloaded" in overloaded[0].message
 
 
-def test_batcher_deadline():
+def test_batcher_deadline_while_the_model_runs():
     model = Doubler(delay=0.3)
-    batcher = Batcher(max_batch_size=1, batch_timeout_s=0, max_queued_rows=10)
-    try:
+
+    async def one(batcher):
+        start = time.monotonic()
         with pytest.raises(errors.DeadlineExceeded):
-            batcher.submit(model, {"x": np.array([1])}, time.monotonic() + 0.05)
-    finally:
-        batcher.close()
+            await batcher.submit(model, {"x": np.array([1])}, 0.05)
+        return time.monotonic() - start
+
+    assert run_batcher(one, max_batch_size=1, batch_timeout_s=0) < 0.25  # at the deadline, not after the call
+
+
+def test_batcher_expired_requests_never_reach_the_model():
+    model = Doubler(delay=0.2)
+
+    async def two(batcher):
+        first = asyncio.ensure_future(batcher.submit(model, {"x": np.array([1])}, 5))
+        await asyncio.sleep(0.05)
+        with pytest.raises(errors.DeadlineExceeded):
+            await batcher.submit(model, {"x": np.array([2])}, 0.05)  # expires while queued
+        return await first
+
+    assert run_batcher(two, max_batch_size=1, batch_timeout_s=0)["y"].tolist() == [2]
+    assert model.calls == [2]  # only the first (padded to 2 rows)
 
 
 def test_batcher_bad_request_does_not_fail_its_batch_mates():
     model = Doubler(delay=0.01)
-    batcher = Batcher(max_batch_size=64, batch_timeout_s=0.05, max_queued_rows=100)
-    try:
-        results = _concurrently(8, lambda i: batcher.submit(
-            model, {"x": np.array([-1 if i == 3 else i])}, time.monotonic() + 5))
-    finally:
-        batcher.close()
+    results = run_batcher(lambda b: _gather(b, model, [{"x": np.array([-1 if i == 3 else i])} for i in range(8)]),
+                          max_batch_size=64, batch_timeout_s=0.05, max_queued_rows=100)
     assert isinstance(results[3], errors.Internal)
     assert all(r["y"][0] == 2 * i for i, r in enumerate(results) if i != 3)
 
 
 def test_batcher_closed_is_unavailable():
-    batcher = Batcher()
-    batcher.close()
-    with pytest.raises(errors.Unavailable):
-        batcher.submit(Doubler(), {"x": np.array([1])}, time.monotonic() + 1)
+    async def after_close(batcher):
+        await batcher.close()
+        with pytest.raises(errors.Unavailable):
+            await batcher.submit(Doubler(), {"x": np.array([1])}, 1)
+
+    run_batcher(after_close)
+
+
+def test_batcher_waits_only_for_requests_on_their_way():
+    model = Doubler()
+
+    async def lone(batcher):
+        start = time.monotonic()
+        await batcher.submit(model, {"x": np.array([1])}, 5)
+        return time.monotonic() - start
+
+    assert run_batcher(lone, max_batch_size=64, batch_timeout_s=1.0) < 0.5
+
+    async def with_one_arriving(batcher):
+        batcher.arriving += 1  # an edge is still reading a request
+        first = asyncio.ensure_future(batcher.submit(model, {"x": np.array([1])}, 5))
+        await asyncio.sleep(0.1)
+        batcher.arrived()
+        second = await batcher.submit(model, {"x": np.array([2])}, 5)
+        return await first, second
+
+    model.calls.clear()
+    run_batcher(with_one_arriving, max_batch_size=64, batch_timeout_s=1.0)
+    assert model.calls == [2]  # both rows in one call
+
+
+def test_batcher_pads_single_rows_and_returns_one():
+    model = Doubler()
+    out = run_batcher(lambda b: b.submit(model, {"x": np.array([21])}, 5), max_batch_size=8, batch_timeout_s=0)
+    assert model.calls == [2] and out["y"].tolist() == [42]
 
 
 # -- protocol ------------------------------------------------------------------------------------
@@ -179,7 +248,7 @@ def test_parse_model_path_malformed(method, path):
 
 @pytest.mark.parametrize("raw, message", [
     (b"", "empty"), (b"\xff{}", "not valid UTF-8"), (b"{", "JSON Parse error"), (b"[1]", "must be a JSON object"),
-    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b"[" * 100_000 + b"]" * 100_000, "depth limit exceeded"),
 ])
 def test_parse_json_errors(raw, message):
     with pytest.raises(errors.InvalidArgument, match=message):
@@ -192,7 +261,7 @@ def test_parse_predict_row_and_columnar_forms():
         ({"inputs": ["good", {"b64": "YmFk"}, "ok"]}, False),
         ({"inputs": {"text": ["good", "bad", "ok"]}}, False),
     ]:
-        arrays, row_format = parse_predict(body, TEXT_SIG, CONFIG)
+        arrays, row_format = parse_predict(body, TEXT_SIG)
         assert row_format is row
         assert list(arrays["text"])[:2] == [b"good", b"bad"]
 
@@ -213,47 +282,66 @@ def test_parse_predict_row_and_columnar_forms():
     ({"instances": [{"txt": "a"}]}, "expected keys"),
     ({"inputs": {"txt": ["a"]}}, "must have keys"),
 ])
-def test_parse_predict_errors(body, message):
+def test_predict_decoding_and_validation_errors(body, message):
     with pytest.raises(errors.InvalidArgument, match=message):
-        parse_predict(body, TEXT_SIG, CONFIG)
+        arrays, _ = parse_predict(body, TEXT_SIG)
+        validate_inputs(TEXT_SIG, arrays, CONFIG)
+
+
+@pytest.mark.parametrize("array, message", [
+    (np.array([1.0, 2.0], np.float32), "input 'text': expects string but float is provided"),
+    (np.array([[b"a", b"b"]], dtype=object), "input 'text': string inputs must have rank 1, got shape [1, 2]"),
+    (np.array(b"a", dtype=object), "input 'text': expected a batch (rank >= 1), got a scalar"),
+])
+def test_validation_of_decoded_tensors(array, message):
+    with pytest.raises(errors.InvalidArgument) as info:
+        validate_inputs(TEXT_SIG, {"text": array}, CONFIG)
+    assert info.value.message == message
 
 
 def test_format_predict_shapes():
     outputs = {"label": np.array([b"positive", b"negative"], dtype=object),
                "probabilities": np.array([[0.25, 0.75], [0.5, 0.5]], dtype=np.float32)}
-    assert format_predict(outputs, True) == {"predictions": [
+    def as_json(obj):
+        return json.loads(dumps(obj))
+
+    assert as_json(format_predict(outputs, True)) == {"predictions": [
         {"label": "positive", "probabilities": [0.25, 0.75]}, {"label": "negative", "probabilities": [0.5, 0.5]}]}
-    assert format_predict(outputs, False) == {"outputs": {
+    assert as_json(format_predict(outputs, False)) == {"outputs": {
         "label": ["positive", "negative"], "probabilities": [[0.25, 0.75], [0.5, 0.5]]}}
     only = {"label": outputs["label"]}
     assert format_predict(only, True) == {"predictions": ["positive", "negative"]}
     assert format_predict(only, False) == {"outputs": ["positive", "negative"]}
     assert format_predict({"x_bytes": np.array([b"\xff"], dtype=object)}, True) == {"predictions": [{"b64": "/w=="}]}
+    # float32 is written in its shortest form, which reads back as exactly the same float32
+    p = np.array([[1 / 3, 2 / 3]], np.float32)
+    assert dumps(format_predict({"p": p}, True)) == b'{"predictions":[[0.33333334,0.6666667]]}'
+    assert np.array(json.loads(dumps(p)), np.float32).tobytes() == p.tobytes()
 
 
 def test_parse_classify_builds_examples_with_context():
     from tensorflow.core.example import example_pb2
 
-    name, serialized = parse_classify(
-        {"signature_name": "classify", "context": {"lang": "en"}, "examples": [{"text": "good"}, {"text": "bad", "n": 3}]},
-        CONFIG)
+    name, examples = parse_classify(
+        {"signature_name": "classify", "context": {"lang": "en"}, "examples": [{"text": "good"}, {"text": "bad", "n": 3}]})
     assert name == "classify"
-    ex = example_pb2.Example.FromString(serialized[1])
+    ex = examples[1]
+    assert isinstance(ex, example_pb2.Example)
     assert ex.features.feature["text"].bytes_list.value == [b"bad"]
     assert ex.features.feature["lang"].bytes_list.value == [b"en"]
     assert ex.features.feature["n"].int64_list.value == [3]
-    results = format_classify(np.array([[b"negative", b"positive"]], dtype=object), np.array([[0.25, 0.75]]))
-    assert results == {"results": [[["negative", 0.25], ["positive", 0.75]]]}
+    results = format_classify(np.array([[b"negative", b"positive"]], dtype=object), np.array([[0.25, 0.75]], np.float32))
+    assert json.loads(dumps(results)) == {"results": [[["negative", 0.25], ["positive", 0.75]]]}
 
 
 @pytest.mark.parametrize("body, message", [
-    ({}, "Missing 'examples'"), ({"examples": {}}, "must be a list"), ({"examples": []}, "at least one"),
-    ({"examples": ["x"]}, "expected an object"), ({"examples": [{"text": ""}]}, "text is empty"),
+    ({}, "Missing 'examples'"), ({"examples": {}}, "must be a list"), ({"examples": ["x"]}, "expected an object"),
     ({"examples": [{"text": "a"}], "context": []}, "'context' must be an object"),
+    ({"examples": [{"text": None}]}, r"examples\[0\].text: expected a string"),
 ])
 def test_parse_classify_errors(body, message):
     with pytest.raises(errors.InvalidArgument, match=message):
-        parse_classify(body, CONFIG)
+        parse_classify(body)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -261,77 +349,7 @@ def test_parse_classify_errors(body, message):
     ({"texts": [1]}, r"texts\[0\]: expected a string, got a number"), ({"texts": [" "]}, "text is empty"),
     ({"texts": ["\udcff"]}, "not valid UTF-8"),
 ])
-def test_parse_sentiment_errors(body, message):
+def test_sentiment_decoding_and_validation_errors(body, message):
     with pytest.raises(errors.InvalidArgument, match=message):
-        parse_sentiment(body, CONFIG)
-
-
-def test_batcher_does_not_wait_when_nobody_else_is_arriving():
-    model = Doubler()
-    batcher = Batcher(max_batch_size=64, batch_timeout_s=1.0, arriving=lambda: 0)
-    try:
-        start = time.monotonic()
-        batcher.submit(model, {"x": np.array([1])}, time.monotonic() + 5)
-        assert time.monotonic() - start < 0.5
-    finally:
-        batcher.close()
-
-
-def test_batcher_pads_single_rows_and_returns_one():
-    model = Doubler()
-    batcher = Batcher(max_batch_size=8, batch_timeout_s=0)
-    try:
-        out = batcher.submit(model, {"x": np.array([21])}, time.monotonic() + 5)
-    finally:
-        batcher.close()
-    assert model.calls == [2] and out["y"].tolist() == [42]
-
-
-def test_batcher_runs_a_lone_request_in_the_callers_thread():
-    threads = []
-
-    def runner(inputs):
-        threads.append(threading.current_thread())
-        return {"y": inputs["x"] * 2}
-
-    batcher = Batcher(max_batch_size=8, batch_timeout_s=1.0, arriving=lambda: 0)
-    try:
-        out = batcher.submit(runner, {"x": np.array([1])}, time.monotonic() + 5)
-    finally:
-        batcher.close()
-    assert threads == [threading.current_thread()] and out["y"].tolist() == [2]
-
-
-def test_inline_call_holds_the_model_slot():
-    """A runs inline; B must queue behind it (not run concurrently), so C finds the queue full."""
-    active, peak = [0], [0]
-
-    def runner(inputs):
-        active[0] += 1
-        peak[0] = max(peak[0], active[0])
-        time.sleep(0.3)
-        active[0] -= 1
-        return {"y": inputs["x"]}
-
-    batcher = Batcher(max_batch_size=1, batch_timeout_s=0, max_queued_rows=1, arriving=lambda: 0)
-    results = {}
-
-    def call(name):
-        try:
-            results[name] = batcher.submit(runner, {"x": np.array([1])}, time.monotonic() + 5)
-        except errors.ServingError as exc:
-            results[name] = exc
-
-    try:
-        threads = []
-        for name in "AB":
-            threads.append(threading.Thread(target=call, args=(name,)))
-            threads[-1].start()
-            time.sleep(0.05)
-        call("C")
-        for t in threads:
-            t.join()
-    finally:
-        batcher.close()
-    assert isinstance(results["C"], errors.Overloaded)
-    assert isinstance(results["A"], dict) and isinstance(results["B"], dict) and peak[0] == 1
+        texts = parse_sentiment(body)
+        validate_inputs(TEXT_SIG, {"text": np.array(texts, dtype=object)}, CONFIG, lambda _n, i: f"texts[{i}]")

@@ -1,5 +1,5 @@
-"""The web page at `GET /`: routes through `app.test_client()`, then headless Chromium driving the
-page against a real `python -m serve` process (Debian's /usr/bin/chromium; no browser download)."""
+"""The web page at `GET /`: routes through the ASGI app in process, then headless Chromium driving
+the page against a real `python -m serve` process (Debian's /usr/bin/chromium; no browser download)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shutil
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
+from asgi_client import AsgiClient, LoopThread
 from conftest import MODEL_NAME
 from serve import ServeConfig, ServingCore, create_app
 from serve_process import REPO, ServerProcess
@@ -18,8 +19,7 @@ CHROMIUM = "/usr/bin/chromium"
 # Without the background-networking flags Chromium keeps calling Google services on a closed network.
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-# Python's mimetypes says text/javascript, or application/javascript where /etc/mime.types does.
-ASSETS = {"/ui/app.js": ("text/javascript", "application/javascript"), "/ui/style.css": ("text/css",)}
+ASSETS = {"/ui/app.js": "text/javascript; charset=utf-8", "/ui/style.css": "text/css; charset=utf-8"}
 # Strong reviews in the bundled corpus's vocabulary: the tiny test model scores them > 0.99. (It calls
 # "A boring, awful mess. I hated every minute." positive: "hated" is not in the corpus, and "every
 # minute" comes from the positive phrase "I loved every minute of it".)
@@ -34,43 +34,42 @@ expect.set_options(timeout=20_000)  # two shared CPU cores: be patient, the chec
 
 @pytest.fixture(scope="module")
 def make_client(model_base):
-    """Factory: (config overrides) -> test client. The page needs no loaded model."""
-    cores = []
+    """Factory: (config overrides) -> in-process client. The page needs no loaded model."""
+    loop = LoopThread()
 
     def make(**overrides):
         config = ServeConfig(model_dir=str(model_base), poll_interval_s=0, **overrides)
-        cores.append(ServingCore(config))
-        return create_app(config, cores[-1]).test_client()
+        return AsgiClient(create_app(config, ServingCore(config)), loop)
 
     yield make
-    for core in cores:
-        core.close()
+    loop.close()
 
 
 def test_page_and_assets_are_local(make_client):
     client = make_client()
     page = client.get("/")
-    assert page.status_code == 200 and page.mimetype == "text/html"
-    html = page.get_data(as_text=True)
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    html = page.text
     assert f'data-model="{MODEL_NAME}"' in html
-    assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+    assert "default-src 'self'" in page.headers["content-security-policy"]
     assert set(re.findall(r'(?:src|href)="([^"]+)"', html)) == {"ui/app.js", "ui/style.css", "data:,"}
-    for path, mimetypes in ASSETS.items():
+    for path, mimetype in ASSETS.items():
         r = client.get(path)
-        assert r.status_code == 200 and r.mimetype in mimetypes, (path, r.status_code, r.mimetype)
-        assert r.get_data(as_text=True).strip()
-    for path, body in [("/", html), *((p, client.get(p).get_data(as_text=True)) for p in ASSETS)]:
+        assert r.status_code == 200 and r.headers["content-type"] == mimetype, (path, r.status_code, r.headers)
+        assert r.text.strip()
+    for path, body in [("/", html), *((p, client.get(p).text) for p in ASSETS)]:
         assert not re.findall(r"(?:https?:)?//[\w.-]+\.\w", body), f"{path} refers to another host"
 
 
 def test_model_name_is_escaped(make_client):
-    html = make_client(model_name='a"<b>').get("/").get_data(as_text=True)
-    assert 'data-model="a&#34;&lt;b&gt;"' in html and "<b>" not in html
+    html = make_client(model_name='a"<b>').get("/").text
+    assert 'data-model="a&quot;&lt;b&gt;"' in html and "<b>" not in html
 
 
-@pytest.mark.parametrize("path", ["/ui/nope.js", "/ui/../app.py"])
+@pytest.mark.parametrize("path", ["/ui/nope.js", "/ui/../app.py", "/ui/index.html", "/ui/"])
 def test_unknown_asset_is_404(make_client, path):
-    assert make_client().get(path).status_code == 404
+    r = make_client().get(path)
+    assert r.status_code == 404 and "error" in r.json
 
 
 # -- the page in headless Chromium -----------------------------------------------------------------

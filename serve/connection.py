@@ -1,0 +1,267 @@
+"""uvicorn's httptools protocol, hardened for a server facing hostile clients and load balancers.
+
+What uvicorn (0.55) leaves open, and what this subclass adds:
+- a new connection that never sends anything stays open forever: it now gets the keep-alive
+  timeout; a request's headers must arrive within `header_timeout_s` (slowloris) and its body
+  within `body_timeout_s`, else 408;
+- no bound on header size: past `max_header_bytes` the answer is 431;
+- a too-large Content-Length is refused with 413 before the body is read;
+- past `max_connections` open connections a new one gets an immediate 503 with Retry-After
+  instead of waiting unserved (uvicorn's `limit_concurrency` answers only after reading a request);
+- parser errors (garbage request line, bad Content-Length, bad chunking) are answered as JSON
+  `{"error": ...}`, like every other error of this server, not text/plain;
+- every early answer ends with a lingering close (FIN after the response, then read and discard
+  until the client closes) so the client reads the answer instead of a connection reset;
+- on drain (SIGTERM), idle keep-alive connections close after one more look for bytes already on
+  their way, and every request already received is answered with `Connection: close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from serve.asgi import RETRY_AFTER_S, error_body
+
+log = logging.getLogger(__name__)
+
+LINGER_S = 2.0
+"""How long a refused connection is read (and discarded) after its answer before it is closed."""
+DRAIN_LOOK_S = 0.05
+"""On drain, how long an idle connection waits for a request already on the wire before closing."""
+MAX_HEADERS = 256
+
+_IDLE, _HEADERS, _BODY, _WAITING = range(4)
+
+
+@dataclass
+class ConnectionLimits:
+    """Limits and counters shared by every connection of one server (one worker process)."""
+
+    max_connections: int
+    header_timeout_s: float
+    body_timeout_s: float
+    keepalive_timeout_s: float
+    max_header_bytes: int
+    max_body_bytes: int
+    open: int = 0
+    """Accepted connections now open (refused ones are not counted)."""
+    received: int = 0
+    """Requests whose headers were read and handed to the application."""
+    refused: int = 0
+    draining: bool = False
+
+
+def protocol_class(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
+    """A protocol class bound to `limits`, for `uvicorn.Config(http=...)`."""
+    return type("SentimentHttpProtocol", (HardenedHttpProtocol,), {"limits": limits})
+
+
+class HardenedHttpProtocol(HttpToolsProtocol):
+    limits: ConnectionLimits
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._state = _IDLE
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_state = _IDLE
+        """The state `_timer` guards: it fires only if the connection is still in it."""
+        self._header_bytes = 0
+        self._header_count = 0
+        self._counted = False
+        self._refused = False
+        self._too_many_headers = False
+
+    # -- connection ----------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        limits = self.limits
+        if limits.draining or limits.open >= limits.max_connections:
+            limits.refused += 1
+            self._refuse(503, f"server busy: {limits.open} connections open (limit {limits.max_connections}); "
+                              "retry later", retry=True)
+            return
+        limits.open += 1
+        self._counted = True
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # uvicorn writes a response's head and body separately: without this, Nagle's algorithm
+            # holds the body until the client ACKs the head (a delayed ACK: milliseconds per request).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._arm(_IDLE, limits.keepalive_timeout_s)  # the first request must begin in time
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._counted:
+            self.limits.open -= 1
+            self._counted = False
+        self._disarm()
+        super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too (after a refusal: the client has read the answer)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # lingering close: read and discard
+        self._unset_keepalive_if_required()
+        if self._timer is not None and self._timer_state == _IDLE:
+            self._disarm()
+        if self._state in (_IDLE, _HEADERS):
+            self._header_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # no WebSocket here: the request was answered as plain HTTP
+        except httptools.HttpParserError as exc:
+            if self._too_many_headers:
+                self._refuse(431, f"more than {MAX_HEADERS} request headers")
+            elif not self._refused:
+                reason = str(exc).strip().rstrip(".") or "unparseable request"
+                self._refuse(400, f"malformed HTTP request: {reason}")
+            return
+        if self._refused:
+            return
+        state = self._state
+        if state == _HEADERS:
+            if self._header_bytes > self.limits.max_header_bytes:
+                self._refuse(431, f"request headers larger than the limit of {self.limits.max_header_bytes} bytes")
+            elif self._timer is None:  # armed only when a request spans several reads
+                self._arm(_HEADERS, self.limits.header_timeout_s)
+        elif state == _BODY and self._timer is None:
+            self._arm(_BODY, self.limits.body_timeout_s)
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, f"malformed HTTP request: {msg.rstrip('.')}")
+
+    # -- parser callbacks ------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._state = _HEADERS
+        self._header_count = 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > MAX_HEADERS:
+            self._too_many_headers = True
+            raise ValueError("too many headers")  # stops the parser; data_received answers 431
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._timer is not None:
+            self._disarm()
+        self._header_bytes = 0
+        limits = self.limits
+        length, chunked = _body_framing(self.headers)
+        if length is not None and length > limits.max_body_bytes:
+            self._refuse(413, f"request body larger than the limit of {limits.max_body_bytes} bytes")
+            return
+        limits.received += 1
+        super().on_headers_complete()
+        if limits.draining and self.cycle is not None:
+            self.cycle.keep_alive = False
+        self._state = _BODY if chunked or length else _WAITING
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        if self._timer is not None:
+            self._disarm()
+        answered = self.cycle is not None and self.cycle.response_complete
+        self._state = _IDLE if answered else _WAITING  # answered early (e.g. 404 before the body)
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        if self._state == _WAITING:
+            self._state = _IDLE
+        super().on_response_complete()
+
+    # -- timers ----------------------------------------------------------------------------------
+
+    def _arm(self, state: int, delay: float) -> None:
+        self._disarm()
+        self._timer_state = state
+        self._timer = self.loop.call_later(delay, self._on_timeout, state)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timeout(self, state: int) -> None:
+        self._timer = None
+        if self._state != state or self._refused or self.transport.is_closing():
+            return
+        if state == _IDLE:
+            self.transport.close()  # a connection that never sent a request
+        elif state == _HEADERS:
+            self._refuse(408, f"request headers not received within {self.limits.header_timeout_s:g}s")
+        elif state == _BODY:
+            self._refuse(408, f"request body not received within {self.limits.body_timeout_s:g}s")
+
+    # -- early answers and drain -----------------------------------------------------------------
+
+    def _refuse(self, status: int, message: str, retry: bool = False) -> None:
+        """Answer `status` with a JSON error now, then close gracefully (lingering close)."""
+        self._refused = True
+        self._disarm()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the application's answer, if any, is dropped
+            cycle.message_event.set()
+        if self.transport.is_closing():
+            return
+        body = error_body(message)
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
+        if retry:
+            head += [b"retry-after: ", str(RETRY_AFTER_S).encode(), b"\r\n"]
+        head.append(b"connection: close\r\n\r\n")
+        self.transport.write(b"".join(head) + body)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._timer = self.loop.call_later(LINGER_S, self.transport.close)
+        if status != 503:
+            log.info("%s: %d %s", "%s:%d" % self.client if self.client else "client", status, message)
+
+    def shutdown(self) -> None:
+        """Drain: idle connections close (after a last look for a request on its way); requests
+        already received are answered with Connection: close."""
+        if self._refused or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+            return
+        self.loop.call_later(DRAIN_LOOK_S, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        if self._state == _IDLE and not self.pipeline and not self.transport.is_closing():
+            self.transport.close()
+        elif self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+
+
+def _body_framing(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
+    """(Content-Length or None, chunked) of a request; the parser has already rejected bad values."""
+    length, chunked = None, False
+    for name, value in headers:
+        if name == b"content-length":
+            try:
+                length = int(value)
+            except ValueError:
+                length = None
+        elif name == b"transfer-encoding" and b"chunked" in value.lower():
+            chunked = True
+    return length, chunked

@@ -1,0 +1,141 @@
+"""The REST edge: TF Serving's REST API, the friendly API, health, metrics, OpenAPI and the web
+page, as one routing table over one set of handlers (`create_app`).
+
+Handlers decode HTTP into plain values (`serve.protocol`), call the shared `ServingCore`, and
+encode its answer; the core validates and raises neutral errors that `serve.asgi` maps to HTTP.
+"""
+
+from __future__ import annotations
+
+from serve import protocol, web
+from serve.asgi import App, Request, Response, Route, error_body, json_response
+from serve.config import ServeConfig
+from serve.core import ServingCore
+from serve.errors import InvalidArgument
+from serve.metrics import CONTENT_TYPE_LATEST
+from serve.models import REGRESS_METHOD
+from serve.openapi import openapi_spec
+
+
+class RestApi:
+    """Handlers bound to one core."""
+
+    def __init__(self, config: ServeConfig, core: ServingCore) -> None:
+        self.config = config
+        self.core = core
+
+    # -- TF Serving REST ---------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        path = protocol.parse_model_path(request.method, request.raw_path)
+        request.route_label = path.verb or "status"
+        if request.method == "GET":
+            return self._metadata(path) if path.verb == "metadata" else self._status(path)
+        core = self.core
+        batcher = core.batcher
+        batcher.arriving += 1
+        arrived = False
+        try:
+            model = core.model(path.name, path.version, path.label)
+            body = protocol.parse_json(await request.body())
+            if path.verb == "predict":
+                signature_name = protocol.signature_name(body)
+                inputs, row_format = protocol.parse_predict(body, model.signature(signature_name))
+                batcher.arrived()
+                arrived = True
+                outputs = await core.predict(
+                    model, signature_name, inputs,
+                    row_label=protocol.instances_label if row_format else protocol.inputs_label,
+                )
+                return json_response(protocol.format_predict(outputs, row_format))
+            if path.verb == "classify":
+                signature_name, examples = protocol.parse_classify(body)
+                batcher.arrived()
+                arrived = True
+                _, outputs = await core.classify(model, signature_name, examples)
+                return json_response(protocol.format_classify(outputs["classes"], outputs["scores"]))
+            model.signature_for_method(REGRESS_METHOD, protocol.signature_name(body, default=""))
+            raise InvalidArgument("regression is not supported by this server")
+        finally:
+            if not arrived:
+                batcher.arrived()
+
+    def _status(self, path: protocol.ModelPath) -> Response:
+        statuses = self.core.status(path.name, path.version, path.label)
+        return json_response({"model_version_status": [
+            {"version": str(s.version), "state": s.state,
+             "status": {"error_code": s.error_code, "error_message": s.error_message}}
+            for s in statuses
+        ]})
+
+    def _metadata(self, path: protocol.ModelPath) -> Response:
+        model = self.core.model(path.name, path.version, path.label)
+        return json_response({
+            "model_spec": {"name": path.name, "signature_name": "", "version": str(model.version)},
+            "metadata": {"signature_def": {"signature_def": model.signature_def_json}},
+        })
+
+    # -- friendly API ------------------------------------------------------------------------
+
+    async def sentiment(self, request: Request) -> Response:
+        batcher = self.core.batcher
+        batcher.arriving += 1
+        try:
+            texts = protocol.parse_sentiment(protocol.parse_json(await request.body()))
+        finally:
+            batcher.arrived()
+        version, results = await self.core.sentiment(texts)
+        return json_response(
+            [{"label": r.label, "score": r.score, "probabilities": r.probabilities} for r in results],
+            headers=[(b"x-model-version", str(version).encode())],
+        )
+
+    # -- health, metrics, OpenAPI ------------------------------------------------------------
+
+    async def healthz(self, _request: Request) -> Response:
+        return json_response({"status": "ok"})
+
+    async def readyz(self, _request: Request) -> Response:
+        core = self.core
+        if core.draining:
+            return Response(error_body("not ready: shutting down"), 503)
+        waiting = [name for name, registry in core.models.items() if not registry.ready]
+        if waiting:
+            what = "no model version loaded and warmed up yet" if len(core.models) == 1 else (
+                f"no version of {', '.join(waiting)} loaded and warmed up yet")
+            return Response(error_body(f"not ready: {what}"), 503)
+        registry = core.models[core.default_model]
+        return json_response({"status": "ready", "model": registry.name,
+                              "versions": [str(v) for v in registry.live_versions]})
+
+    async def metrics(self, _request: Request) -> Response:
+        return Response(self.core.metrics.render(), content_type=CONTENT_TYPE_LATEST.encode())
+
+    async def openapi(self, _request: Request) -> Response:
+        return json_response(openapi_spec(self.config))
+
+
+def routes(api: RestApi, page: web.WebPage) -> list[Route]:
+    """The routing table: every path the REST port serves (OpenAPI documents the API ones)."""
+    return [
+        Route.of("models", "GET POST", r"(?i)/v1/models/.*", api.models, raw=True),
+        Route.of("sentiment", "POST", r"(?i)/v1/sentiment", api.sentiment),
+        Route.of("healthz", "GET", r"/healthz", api.healthz),
+        Route.of("readyz", "GET", r"/readyz", api.readyz),
+        Route.of("metrics", "GET", r"/monitoring/prometheus/metrics", api.metrics),
+        Route.of("openapi", "GET", r"/openapi.json", api.openapi),
+        Route.of("web", "GET", r"/", page.index),
+        Route.of("web", "GET", r"/ui/(?P<asset>[^/]+)", page.asset),
+    ]
+
+
+def create_app(config: ServeConfig, core: ServingCore) -> App:
+    """The REST port's ASGI app on a shared core (started by the caller, on the serving loop)."""
+    api = RestApi(config, core)
+    return App(
+        routes(api, web.WebPage(core.default_model)),
+        metrics=core.metrics,
+        max_body_bytes=config.max_body_bytes,
+        cors_origins=config.cors_origins,
+        access_log_enabled=config.access_log,
+    )

@@ -1,0 +1,103 @@
+"""Tensors at the protocol edges: TF dtype names <-> numpy, TensorProto <-> numpy.
+
+`from_tensor_proto` is the gRPC edge's decoder. Unlike `tf.make_ndarray` it never expands a
+tensor: the shape a client declares must agree with the values it sends, so a 42-byte request
+declaring 200 million strings is rejected before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from serve.errors import InvalidArgument
+
+NUMPY_DTYPES: dict[str, Any] = {
+    "DT_FLOAT": np.float32, "DT_DOUBLE": np.float64, "DT_INT32": np.int32, "DT_INT64": np.int64,
+    "DT_INT16": np.int16, "DT_INT8": np.int8, "DT_UINT8": np.uint8, "DT_UINT16": np.uint16,
+    "DT_UINT32": np.uint32, "DT_UINT64": np.uint64, "DT_BOOL": np.bool_, "DT_HALF": np.float16,
+}
+"""TF dtype enum names -> numpy dtypes (DT_STRING is an object array of bytes)."""
+
+_VALUE_FIELDS = {
+    "DT_FLOAT": "float_val", "DT_DOUBLE": "double_val", "DT_INT32": "int_val", "DT_INT16": "int_val",
+    "DT_INT8": "int_val", "DT_UINT8": "int_val", "DT_UINT16": "int_val", "DT_UINT32": "uint32_val",
+    "DT_INT64": "int64_val", "DT_UINT64": "uint64_val", "DT_BOOL": "bool_val", "DT_HALF": "half_val",
+}
+
+_MAX_DIMS = 32
+
+
+def dtype_name(array: np.ndarray) -> str:
+    """The TF dtype name of a numpy array (`DT_STRING` for object/bytes arrays)."""
+    if array.dtype == object or array.dtype.kind == "S":
+        return "DT_STRING"
+    for name, dtype in NUMPY_DTYPES.items():
+        if array.dtype == dtype:
+            return name
+    return f"numpy {array.dtype}"
+
+
+def short_dtype(name: str) -> str:
+    """`DT_STRING` -> `string`, as TF Serving words its dtype errors."""
+    return name.removeprefix("DT_").lower()
+
+
+def from_tensor_proto(proto: Any, where: str, max_values: int) -> np.ndarray:
+    """A TensorProto -> numpy, refusing any tensor whose declared shape disagrees with its values.
+
+    `max_values` bounds the declared element count before anything is decoded.
+    """
+    from tensorflow.core.framework import types_pb2
+
+    dtype = types_pb2.DataType.Name(proto.dtype) if proto.dtype in types_pb2.DataType.values() else str(proto.dtype)
+    if proto.tensor_shape.unknown_rank:
+        raise InvalidArgument(f"{where}: the tensor shape must be known (unknown_rank is set)")
+    dims = [d.size for d in proto.tensor_shape.dim]
+    if len(dims) > _MAX_DIMS or any(d < 0 for d in dims):
+        raise InvalidArgument(f"{where}: invalid tensor shape {dims}")
+    count = math.prod(dims)
+    if count > max_values:
+        raise InvalidArgument(f"{where}: the tensor shape {dims} declares {count} values, more than the limit of {max_values}")
+    if dtype == "DT_STRING":
+        values = proto.string_val
+        if len(values) != count:
+            raise InvalidArgument(f"{where}: the tensor shape {dims} declares {count} values but {len(values)} are given")
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array.reshape(dims)
+    numpy_dtype = NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is None:
+        raise InvalidArgument(f"{where}: unsupported dtype {dtype}")
+    if proto.tensor_content:
+        itemsize = np.dtype(numpy_dtype).itemsize
+        if len(proto.tensor_content) != count * itemsize:
+            raise InvalidArgument(
+                f"{where}: the tensor shape {dims} declares {count} values but tensor_content holds "
+                f"{len(proto.tensor_content) // itemsize}"
+            )
+        return np.frombuffer(proto.tensor_content, dtype=numpy_dtype).reshape(dims).copy()
+    values = getattr(proto, _VALUE_FIELDS[dtype])
+    if len(values) != count:
+        raise InvalidArgument(f"{where}: the tensor shape {dims} declares {count} values but {len(values)} are given")
+    if dtype == "DT_HALF":
+        return np.array(values, dtype=np.uint16).view(np.float16).reshape(dims)
+    return np.array(values, dtype=numpy_dtype).reshape(dims)
+
+
+def to_tensor_proto(array: np.ndarray) -> Any:
+    """numpy -> TensorProto (strings as string_val, numbers as tensor_content)."""
+    from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
+
+    proto = tensor_pb2.TensorProto(
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in array.shape])
+    )
+    name = dtype_name(array)
+    proto.dtype = types_pb2.DataType.Value(name)
+    if name == "DT_STRING":
+        proto.string_val.extend(array.ravel().tolist())
+    else:
+        proto.tensor_content = np.ascontiguousarray(array).tobytes()
+    return proto

@@ -1,0 +1,91 @@
+"""`--workers N`: N serving processes on one port, supervised by the process the user started.
+
+The supervisor binds the REST socket once and hands it to every worker (pre-fork style, each
+worker accepting from the same listening socket); gRPC workers share their port with
+SO_REUSEPORT. Each worker is a full server: its own event loop, model copy, batcher, reload
+poller and metrics. The supervisor imports neither TensorFlow nor uvicorn: it forwards SIGTERM /
+SIGINT to the workers, restarts a worker that dies while serving, and exits 0 only if every worker
+drained cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import socket
+import threading
+import time
+
+from serve.config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+RESTART_WINDOW_S = 30.0
+"""A worker that dies this soon after starting counts towards giving up."""
+MAX_QUICK_DEATHS = 3
+
+
+def _worker_main(config: ServeConfig, sock: socket.socket, index: int) -> None:
+    import sys
+
+    from serve.server import run_worker
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the supervisor decides
+    sys.exit(run_worker(config, sock, index))
+
+
+def supervise(config: ServeConfig, sock: socket.socket) -> int:
+    context = multiprocessing.get_context("spawn")
+    stop = threading.Event()
+    signals: list[int] = []
+
+    def on_signal(signum: int, _frame) -> None:  # noqa: ANN001
+        signals.append(signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+    def start(index: int) -> tuple[multiprocessing.Process, float]:
+        process = context.Process(target=_worker_main, args=(config, sock, index), name=f"serve-worker-{index}")
+        process.start()
+        return process, time.monotonic()
+
+    workers = {i: start(i) for i in range(config.workers)}
+    log.info("supervising %d workers on port %d (pids %s)", config.workers, config.port,
+             ", ".join(str(p.pid) for p, _ in workers.values()))
+    quick_deaths = 0
+    failed = False
+    while not stop.is_set():
+        stop.wait(0.2)
+        for index, (process, started) in list(workers.items()):
+            if process.is_alive() or stop.is_set():
+                continue
+            quick_deaths = quick_deaths + 1 if time.monotonic() - started < RESTART_WINDOW_S else 0
+            if quick_deaths >= MAX_QUICK_DEATHS:
+                log.error("worker %d exited with %s, %d workers died right after starting: giving up",
+                          index, process.exitcode, quick_deaths)
+                failed = True
+                stop.set()
+                break
+            log.error("worker %d exited with %s while serving: starting a new one", index, process.exitcode)
+            workers[index] = start(index)
+    sock.close()
+    for process, _ in workers.values():
+        if process.is_alive():
+            process.terminate()  # SIGTERM: each worker drains on its own
+    deadline = time.monotonic() + config.drain_timeout_s + 15
+    codes = []
+    for index, (process, _) in workers.items():
+        process.join(max(0.1, deadline - time.monotonic()))
+        if process.is_alive():
+            log.error("worker %d did not stop in time: killing it", index)
+            process.kill()
+            process.join()
+        codes.append(process.exitcode)
+    if failed or any(code != 0 for code in codes):
+        log.error("workers exited with %s", codes)
+        return 1
+    log.info("all %d workers shut down cleanly", len(codes))
+    return 0
