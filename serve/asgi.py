@@ -9,6 +9,7 @@ conditions: 404 route, 405, 413).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -183,7 +184,7 @@ class App:
         metrics.in_flight += 1
         try:
             response = await self._respond(request)
-        except ClientGone:
+        except (ClientGone, asyncio.CancelledError):  # nobody to answer, or abandoned at shutdown
             response = None
         finally:
             metrics.in_flight -= 1

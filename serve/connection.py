@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -35,6 +35,9 @@ LINGER_S = 2.0
 DRAIN_LOOK_S = 0.05
 """On drain, how long an idle connection waits for a request already on the wire before closing."""
 MAX_HEADERS = 256
+EVICT_AFTER_S = 1.0
+"""At the connection limit, a connection waiting this long without a complete request (an idle
+keep-alive one, or a slow client still sending headers) is closed to make room for a new one."""
 
 _IDLE, _HEADERS, _BODY, _WAITING = range(4)
 
@@ -51,6 +54,9 @@ class ConnectionLimits:
     max_body_bytes: int
     open: int = 0
     """Accepted connections now open (refused ones are not counted)."""
+    waiting: dict = field(default_factory=dict)
+    """Open connections without a request in progress (idle keep-alive, or headers still coming),
+    oldest first, with the loop time they started waiting: who makes room for a new connection."""
     received: int = 0
     """Requests whose headers were read and handed to the application."""
     refused: int = 0
@@ -76,12 +82,15 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         self._counted = False
         self._refused = False
         self._too_many_headers = False
+        self._header_size = 0
 
     # -- connection ----------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         limits = self.limits
+        if limits.open >= limits.max_connections and not limits.draining:
+            self._evict_a_waiting_connection()
         if limits.draining or limits.open >= limits.max_connections:
             limits.refused += 1
             self._refuse(503, f"server busy: {limits.open} connections open (limit {limits.max_connections}); "
@@ -89,6 +98,7 @@ class HardenedHttpProtocol(HttpToolsProtocol):
             return
         limits.open += 1
         self._counted = True
+        limits.waiting[self] = self.loop.time()
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # uvicorn writes a response's head and body separately: without this, Nagle's algorithm
@@ -100,6 +110,7 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         if self._counted:
             self.limits.open -= 1
             self._counted = False
+        self.limits.waiting.pop(self, None)
         self._disarm()
         super().connection_lost(exc)
 
@@ -120,7 +131,10 @@ class HardenedHttpProtocol(HttpToolsProtocol):
             pass  # no WebSocket here: the request was answered as plain HTTP
         except httptools.HttpParserError as exc:
             if self._too_many_headers:
-                self._refuse(431, f"more than {MAX_HEADERS} request headers")
+                if self._header_count > MAX_HEADERS:
+                    self._refuse(431, f"more than {MAX_HEADERS} request headers")
+                else:
+                    self._refuse(431, f"request headers larger than the limit of {self.limits.max_header_bytes} bytes")
             elif not self._refused:
                 reason = str(exc).strip().rstrip(".") or "unparseable request"
                 self._refuse(400, f"malformed HTTP request: {reason}")
@@ -145,12 +159,18 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._state = _HEADERS
         self._header_count = 0
+        self._header_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._header_size += len(url)
+        super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
-        if self._header_count > MAX_HEADERS:
+        self._header_size += len(name) + len(value) + 4
+        if self._header_count > MAX_HEADERS or self._header_size > self.limits.max_header_bytes:
             self._too_many_headers = True
-            raise ValueError("too many headers")  # stops the parser; data_received answers 431
+            raise ValueError("headers too large")  # stops the parser; data_received answers 431
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -163,6 +183,7 @@ class HardenedHttpProtocol(HttpToolsProtocol):
             self._refuse(413, f"request body larger than the limit of {limits.max_body_bytes} bytes")
             return
         limits.received += 1
+        limits.waiting.pop(self, None)
         super().on_headers_complete()
         if limits.draining and self.cycle is not None:
             self.cycle.keep_alive = False
@@ -184,7 +205,32 @@ class HardenedHttpProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         if self._state == _WAITING:
             self._state = _IDLE
+            if self._counted:
+                self.limits.waiting[self] = self.loop.time()
         super().on_response_complete()
+
+    def _evict_a_waiting_connection(self) -> None:
+        """Make room by closing the connection that has waited longest without sending a complete
+        request, if it has waited at least EVICT_AFTER_S (so a flood of new connections, whose
+        requests may not have been read yet, is answered 503 rather than cut off)."""
+        waiting = self.limits.waiting
+        if not waiting:
+            return
+        oldest, since = next(iter(waiting.items()))
+        if self.loop.time() - since < EVICT_AFTER_S:
+            return
+        waiting.pop(oldest)
+        oldest._release()
+        if oldest._state == _HEADERS:
+            oldest._refuse(408, "request headers not received in time (the server needed the connection)")
+        else:
+            oldest.transport.close()
+
+    def _release(self) -> None:
+        """Stop counting this connection against the limit (it is being closed)."""
+        if self._counted:
+            self.limits.open -= 1
+            self._counted = False
 
     # -- timers ----------------------------------------------------------------------------------
 
@@ -215,6 +261,8 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         """Answer `status` with a JSON error now, then close gracefully (lingering close)."""
         self._refused = True
         self._disarm()
+        self._release()  # a lingering connection does not count against the limit
+        self.limits.waiting.pop(self, None)
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the application's answer, if any, is dropped

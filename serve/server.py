@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import resource
 import signal
 import socket
@@ -29,6 +30,8 @@ from serve.rest import create_app
 log = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 2048
+WORKER_READY_WAIT_S = 120.0
+"""How long one of several workers waits for its model before it takes connections anyway."""
 EXIT_OK, EXIT_ABANDONED, EXIT_STARTUP = 0, 1, 2
 
 
@@ -93,7 +96,9 @@ class _UvicornServer(uvicorn.Server):
             connection.transport.close()
 
 
-async def serve_async(config: ServeConfig, sock: socket.socket, *, worker: int | None = None) -> int:
+async def serve_async(
+    config: ServeConfig, sock: socket.socket, *, worker: int | None = None, stop_requested: list[int] | None = None
+) -> int:
     """Serve on `sock` (and config.grpc_port) until SIGTERM (or SIGINT, unless this is one of
     several workers: their supervisor turns Ctrl+C into one SIGTERM each); returns the exit code."""
     core = ServingCore(config)
@@ -125,14 +130,26 @@ async def serve_async(config: ServeConfig, sock: socket.socket, *, worker: int |
 
     for sig in (signal.SIGTERM,) if worker is not None else (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    if stop_requested:  # a signal that arrived while this process was starting
+        on_signal(stop_requested[0])
     host, port = sock.getsockname()[:2]
-    serving = asyncio.ensure_future(server.serve(sockets=[sock]))  # /healthz answers from now on
-    log.info("serving model %r from %s on http://%s:%d (REST)", config.model_name, config.model_dir, host, port)
+    serving = None
+    if worker is None:  # one process: answer /healthz and /readyz while the model loads
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        log.info("serving model %r from %s on http://%s:%d (REST)", config.model_name, config.model_dir, host, port)
     # TensorFlow is imported once, here, before the model loaders and the gRPC edge need it: two
     # threads importing it at the same time deadlock in its module locks.
     await asyncio.to_thread(importlib.import_module, "tensorflow")
     if not server.should_exit:
         await core.start()
+    if serving is None:
+        # One of several workers: join the shared ports only once the model is loaded, so a
+        # restarted worker never answers 503 while its siblings are ready.
+        deadline = loop.time() + WORKER_READY_WAIT_S
+        while not core.ready and not server.should_exit and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        log.info("serving model %r on http://%s:%d (REST)", config.model_name, host, port)
     if config.grpc_port and not server.should_exit:
         from serve.grpc_server import GrpcServer
 
@@ -159,17 +176,24 @@ def configure_logging(config: ServeConfig, worker: int | None = None) -> None:
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
 
 
-def run_worker(config: ServeConfig, sock: socket.socket, worker: int | None = None) -> int:
+def run_worker(
+    config: ServeConfig, sock: socket.socket, worker: int | None = None, stop_requested: list[int] | None = None
+) -> int:
     """One serving process on an already bound socket (also the body of each --workers process)."""
     import uvloop
 
     configure_logging(config, worker)
     raise_open_file_limit()
     try:
-        return uvloop.run(serve_async(config, sock, worker=worker))
+        code = uvloop.run(serve_async(config, sock, worker=worker, stop_requested=stop_requested))
     except OSError as exc:  # the gRPC port
         log.error("%s", exc)
         return EXIT_STARTUP
+    if code == EXIT_ABANDONED:
+        # A model call may still be running in its thread; the interpreter would wait for it.
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def serve(config: ServeConfig) -> int:

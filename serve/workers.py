@@ -29,10 +29,13 @@ MAX_QUICK_DEATHS = 3
 def _worker_main(config: ServeConfig, sock: socket.socket, index: int) -> None:
     import sys
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the supervisor decides
+    early: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: early.append(signum))  # until the server takes over
+
     from serve.server import run_worker
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the supervisor decides
-    sys.exit(run_worker(config, sock, index))
+    sys.exit(run_worker(config, sock, index, stop_requested=early))
 
 
 def supervise(config: ServeConfig, sock: socket.socket) -> int:

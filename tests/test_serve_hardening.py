@@ -1,0 +1,332 @@
+"""The HTTP layer under abuse, against a real `python -m serve` process: slow and malformed clients,
+connection floods, SIGTERM under load, hostile gRPC messages, several workers on one port."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import selectors
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+import requests
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+from conftest import MODEL_NAME
+from serve_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+PREDICT = f"/v1/models/{MODEL_NAME}:predict"
+BODY = json.dumps({"instances": ["a wonderful film, great acting"]}).encode()
+
+
+def read_response(sock: socket.socket, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response from a raw socket: (status, lower-case headers, body)."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a response: {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", 0))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return status, headers, body[:length]
+
+
+def exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        return read_response(sock, timeout)
+
+
+def request_bytes(method: str = "POST", path: str = PREDICT, body: bytes = BODY, extra: str = "") -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+    return head.encode() + body
+
+
+@pytest.fixture(scope="module")
+def server(model_base, tmp_path_factory):
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--header-timeout", "1", "--body-timeout", "1",
+                        "--max-connections", "256", "--max-header-bytes", "8192", "--max-body-bytes", "100000",
+                        grpc=True, log_path=tmp_path_factory.mktemp("hardening") / "serve.log")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+# -- the HTTP layer's own errors are JSON ----------------------------------------------------------
+
+@pytest.mark.parametrize("data, status, error", [
+    (b"GARBAGE\r\n\r\n", 400, "malformed HTTP request: "),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400, "malformed HTTP request: "),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, "malformed HTTP request: "),
+    (request_bytes(extra="X-Big: " + "a" * 9000 + "\r\n"), 431, "request headers larger than the limit of 8192 bytes"),
+    (request_bytes(extra="".join(f"X-{i}: 1\r\n" for i in range(300))), 431, "more than 256 request headers"),
+    (request_bytes(body=b"x" * 100_001), 413, "request body larger than the limit of 100000 bytes"),
+    (request_bytes(method="PUT"), 405, f"Method Not Allowed: PUT {PREDICT} (allowed: GET, HEAD, POST)"),
+    (request_bytes(method="GET", path="/nope", body=b""), 404, "Not Found: no route for GET /nope"),
+    (request_bytes(method="GET", path="//healthz", body=b""), 404, "Not Found: no route for GET //healthz"),
+])
+def test_every_error_body_is_json(server, data, status, error):
+    got, headers, body = exchange(server.port, data)
+    assert got == status and headers["content-type"] == "application/json", (got, headers, body)
+    assert json.loads(body)["error"].startswith(error)
+
+
+def test_head_answers_like_get_without_a_body(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("HEAD", f"/v1/models/{MODEL_NAME}")
+    response = conn.getresponse()
+    assert response.status == 200 and response.read() == b""
+    assert int(response.headers["Content-Length"]) == len(requests.get(f"{server.url}/v1/models/{MODEL_NAME}").content)
+
+
+# -- slow clients and connection floods ------------------------------------------------------------
+
+def _slow_clients(port: int, n: int) -> list[socket.socket]:
+    """Slowloris: connections that send a request line and one header, then nothing more."""
+    slow = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"POST " + PREDICT.encode() + b" HTTP/1.1\r\nHost: x\r\n")
+        slow.append(sock)
+    return slow
+
+
+def test_slow_header_clients_neither_lock_out_others_nor_stay_forever(server):
+    slow = _slow_clients(server.port, 200)
+    try:
+        start = time.monotonic()
+        r = requests.post(server.url + PREDICT, data=BODY, timeout=10)
+        assert r.status_code == 200 and time.monotonic() - start < 2
+        # --header-timeout 1: each slow client gets a JSON 408 and the connection closes
+        answers = [read_response(sock, 10) for sock in slow]
+        assert [status for status, _, _ in answers] == [408] * 200
+        assert json.loads(answers[0][2]) == {"error": "request headers not received within 1s"}
+        assert all(sock.recv(1) == b"" for sock in slow)
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def test_at_the_connection_limit_slow_clients_make_room_for_new_ones(model_base, tmp_path):
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--max-connections", "50", "--header-timeout", "60",
+                        log_path=tmp_path / "serve.log")
+    slow = _slow_clients(srv.port, 50)
+    try:
+        time.sleep(1.5)  # they have held their connections for a while
+        for _ in range(3):
+            assert requests.post(srv.url + PREDICT, data=BODY, timeout=10).status_code == 200
+        status, _, body = read_response(slow[0], 10)  # the longest-waiting one made room
+        assert (status, json.loads(body)["error"]) == (
+            408, "request headers not received in time (the server needed the connection)")
+    finally:
+        for sock in slow:
+            sock.close()
+        assert srv.stop() == 0, srv.log()
+
+
+def test_a_body_that_never_arrives_gets_408(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(request_bytes(body=BODY)[:-5])
+        status, _, body = read_response(sock, 10)
+    assert (status, json.loads(body)) == (408, {"error": "request body not received within 1s"})
+
+
+def test_512_connections_get_answers_or_503_never_a_timeout(server):
+    """--max-connections 256: every connection past it is answered 503 at once, with Retry-After."""
+    selector = selectors.DefaultSelector()
+    socks = []
+    try:
+        for _ in range(512):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            sock.sendall(request_bytes())
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, bytearray())
+            socks.append(sock)
+        done: dict[socket.socket, bytes] = {}
+        deadline = time.monotonic() + 30
+        while len(done) < len(socks) and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=1):
+                chunk = key.fileobj.recv(65536)
+                key.data.extend(chunk)
+                head, sep, body = bytes(key.data).partition(b"\r\n\r\n")
+                length = re.search(rb"content-length: (\d+)", head, re.I)
+                if not chunk or (sep and length and len(body) >= int(length.group(1))):
+                    done[key.fileobj] = bytes(key.data)
+                    selector.unregister(key.fileobj)
+        statuses = [int(done[s].split(b" ", 2)[1]) if s in done and done[s] else None for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert None not in statuses, f"{statuses.count(None)} connections got no answer"
+    assert set(statuses) == {200, 503} and statuses.count(503) >= 512 - 256
+    refused = next(done[s] for s, status in zip(socks, statuses) if status == 503)
+    assert b"retry-after: 1" in refused.lower() and b'{"error":"server busy: ' in refused
+
+
+# -- gRPC messages that lie about their size ---------------------------------------------------------
+
+def _rss_kib(pid: int) -> int:
+    status = open(f"/proc/{pid}/status").read()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
+
+
+def test_grpc_declared_shape_is_checked_before_anything_is_allocated(server):
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(grpc.insecure_channel(server.grpc_target))
+    before = _rss_kib(server.proc.pid)
+    for declared, expected in [(200_000_000, "200000000 instances in one request, more than the limit of 1024"),
+                               (5, "input 'text': the tensor shape [5] declares 5 values but 1 are given")]:
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = MODEL_NAME
+        tensor = request.inputs["text"]
+        tensor.dtype = 7  # DT_STRING
+        tensor.tensor_shape.dim.add().size = declared
+        tensor.string_val.append(b"x")
+        assert len(request.SerializeToString()) < 60
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Predict(request, timeout=10)
+        assert time.monotonic() - start < 0.5
+        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, expected)
+    assert _rss_kib(server.proc.pid) - before < 20_000  # KiB: nothing was expanded
+
+
+def test_grpc_garbage_and_unimplemented_methods_get_a_code_and_one_log_line(server):
+    channel = grpc.insecure_channel(server.grpc_target)
+    cases = [("/tensorflow.serving.PredictionService/Predict", b"\xff\xff\xff\x01garbage", grpc.StatusCode.INVALID_ARGUMENT),
+             ("/tensorflow.serving.ModelService/HandleReloadConfigRequest", b"", grpc.StatusCode.UNIMPLEMENTED),
+             ("/no.such.Service/Method", b"", grpc.StatusCode.UNIMPLEMENTED)]
+    for method, payload, code in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary(method)(payload, timeout=10)
+        assert info.value.code() == code, info.value.details()
+    log = server.log()
+    assert "Traceback" not in log
+    assert "gRPC predict: undecodable request (11 bytes)" in log
+    assert "HandleReloadConfigRequest: not implemented by this server" in log
+
+
+# -- SIGTERM under keep-alive load ------------------------------------------------------------------
+
+def test_sigterm_under_keep_alive_load_answers_every_request_it_received(model_base, tmp_path):
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--drain-timeout", "5", "--access-log",
+                        log_path=tmp_path / "serve.log")
+    answered = [0]
+    errors: list[str] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        while not stop.is_set():
+            try:
+                conn.request("POST", PREDICT, BODY, {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                response.read()
+                with lock:
+                    answered[0] += response.status == 200
+                if response.getheader("Connection") == "close":
+                    return  # drain: the server asked us to go away
+            except (ConnectionError, http.client.HTTPException, OSError) as exc:
+                # Only a request sent after the server closed this idle connection may fail: the
+                # server never read it (checked below against the server's own count).
+                with lock:
+                    errors.append(type(exc).__name__)
+                return
+
+    threads = [threading.Thread(target=client) for _ in range(16)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    sigterm_at = time.monotonic()
+    srv.terminate()
+    code = srv.proc.wait(15)
+    drain_s = time.monotonic() - sigterm_at
+    stop.set()
+    for t in threads:
+        t.join(10)
+    srv.stop()
+    log = srv.log_path.read_text()
+    assert code == 0 and drain_s < 5, log[-3000:]
+    match = re.search(r"shut down cleanly: (\d+) HTTP request\(s\) received, (\d+) answered", log)
+    assert match, log[-3000:]
+    received, server_answered = map(int, match.groups())
+    ready_checks = log.count('"GET /readyz"')
+    assert received == server_answered  # nothing abandoned
+    assert answered[0] == received - ready_checks, (answered[0], received, ready_checks, errors)
+    assert answered[0] > 50
+
+
+def test_drain_timeout_abandons_with_exit_1_and_says_so(model_base, tmp_path):
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--model-delay-ms", "3000", "--no-warmup",
+                        "--drain-timeout", "0.5", log_path=tmp_path / "serve.log")
+    result = {}
+
+    def slow() -> None:
+        try:
+            result["r"] = requests.post(srv.url + PREDICT, data=BODY, timeout=20)
+        except requests.RequestException as exc:
+            result["r"] = exc
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    srv.terminate()
+    code = srv.proc.wait(15)
+    elapsed = time.monotonic() - start
+    thread.join()
+    log = srv.log()
+    srv.stop()
+    assert code == 1 and elapsed < 3, log
+    assert "drain timeout (0.5s): 1 request(s) abandoned" in log
+    assert isinstance(result["r"], requests.RequestException)
+
+
+# -- several workers on one port --------------------------------------------------------------------
+
+def test_workers_share_the_port_restart_when_killed_and_drain_together(model_base, tmp_path):
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--workers", "2", grpc=True,
+                        log_path=tmp_path / "serve.log")
+    try:
+        for _ in range(20):
+            assert requests.post(srv.url + PREDICT, data=BODY, timeout=10).status_code == 200
+        end = time.monotonic() + 60
+        while srv.log().count("version 1 live") < 2 and time.monotonic() < end:
+            time.sleep(0.2)
+        assert "[worker 0]" in srv.log() and "[worker 1]" in srv.log()
+        pids = [int(p) for p in re.search(r"\(pids ([\d, ]+)\)", srv.log()).group(1).split(", ")]
+        import os
+
+        os.kill(pids[0], signal.SIGKILL)
+        end = time.monotonic() + 60
+        while "starting a new one" not in srv.log() and time.monotonic() < end:
+            time.sleep(0.2)
+        for _ in range(20):  # the other worker (then the new one) keeps answering
+            assert requests.post(srv.url + PREDICT, data=BODY, timeout=20).status_code == 200
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(grpc.insecure_channel(srv.grpc_target))
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = MODEL_NAME
+        request.inputs["text"].string_val.append(b"great")
+        request.inputs["text"].dtype = 7
+        request.inputs["text"].tensor_shape.dim.add().size = 1
+        assert stub.Predict(request, timeout=30).outputs["label"].string_val[0] in (b"negative", b"positive")
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log_path.read_text()[-3000:]
+    assert "all 2 workers shut down cleanly" in srv.log_path.read_text()
