@@ -25,7 +25,8 @@ from serve.batching import Batcher
 from serve.config import ServeConfig
 from serve.errors import InvalidArgument, NotFound, Overloaded, ServingError, Unavailable
 from serve.metrics import Metrics
-from serve.models import CLASSIFY_METHOD, LoadedModel, ModelRegistry, ModelSource, Signature, VersionStatus
+from serve.models import CLASSIFY_METHOD, LoadedModel, Signature
+from serve.registry import ModelRegistry, ModelSource, VersionStatus
 from serve.tensors import NUMPY_DTYPES, dtype_name, short_dtype
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,10 @@ class ServingCore:
         return self
 
     def load_now(self) -> "ServingCore":
-        """Load every model synchronously (tests, benchmarks); polling is not started."""
+        """Load every model synchronously (tests, benchmarks) from what is on disk now, taken as
+        finished; polling is not started."""
         for registry in self.models.values():
-            registry.refresh()
+            registry.refresh(settle=False)
         return self
 
     @property
@@ -159,9 +161,12 @@ class ServingCore:
         serialized = np.empty(len(examples), dtype=object)
         for i, example in enumerate(examples):
             feature = example.features.feature.get(TEXT_INPUT)
-            if feature is not None:
-                for value in feature.bytes_list.value:
-                    check_text(value, f"examples[{i}].{TEXT_INPUT}", self.config)
+            if feature is None:
+                raise InvalidArgument(f"examples[{i}]: no {TEXT_INPUT!r} feature")
+            kind = feature.WhichOneof("kind")
+            if kind != "bytes_list" or len(feature.bytes_list.value) != 1:
+                raise InvalidArgument(f"examples[{i}].{TEXT_INPUT}: expected one string, got {kind or 'nothing'}")
+            check_text(feature.bytes_list.value[0], f"examples[{i}].{TEXT_INPUT}", self.config)
             serialized[i] = example.SerializeToString()
         (input_name,) = signature.inputs
         return signature, await self._run(model, signature.name, {input_name: serialized}, timeout_s)

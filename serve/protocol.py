@@ -99,9 +99,11 @@ def decode_b64(b64: Any, where: str) -> bytes:
     if not isinstance(b64, str):
         raise InvalidArgument(f"{where}: 'b64' value must be a base64 string")
     try:
+        if len(b64) % 4:  # Python would accept extra padding ("YWJj="); TF Serving does not
+            raise ValueError
         return base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError):
-        raise InvalidArgument(f"{where}: 'b64' value is not valid base64") from None
+        raise InvalidArgument(f"{where}: Unable to base64 decode: 'b64' value is not valid base64") from None
 
 
 def describe(value: Any) -> str:

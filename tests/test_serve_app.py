@@ -194,6 +194,13 @@ PREDICT = f"/v1/models/{MODEL_NAME}:predict"
     (f"/v1/models/{MODEL_NAME}:classify", {"signature_name": "serving_default", "examples": [{"text": "a"}]}, 400,
      "Expected classify signature method_name to be tensorflow/serving/classify. Was: tensorflow/serving/predict"),
     (f"/v1/models/{MODEL_NAME}:classify", {"instances": ["a"]}, 400, "Missing 'examples' key"),
+    (f"/v1/models/{MODEL_NAME}:classify", {"examples": [{"text": " "}]}, 400, "examples[0].text: text is empty"),
+    (f"/v1/models/{MODEL_NAME}:classify", {"examples": [{"text": 3}]}, 400,
+     "examples[0].text: expected one string, got int64_list"),
+    (f"/v1/models/{MODEL_NAME}:classify", {"examples": [{"txt": "a"}]}, 400, "examples[0]: no 'text' feature"),
+    (f"/v1/models/{MODEL_NAME}:classify", {"examples": []}, 400, "no instances: at least one input row is required"),
+    (PREDICT, {"instances": [{"b64": "YWJj="}]}, 400,
+     "instances[0]: Unable to base64 decode: 'b64' value is not valid base64"),
     (f"/v1/models/{MODEL_NAME}", {"instances": ["a"]}, 400, f"Malformed request: POST /v1/models/{MODEL_NAME}"),
 ])
 def test_post_errors(client, path, body, status, error):
@@ -385,12 +392,16 @@ def test_url_encoded_model_name(make_app):
 def test_broken_new_version_keeps_the_old_one_serving(make_app, model_base, tmp_path):
     base = copy_model_base(model_base, tmp_path)
     c, core = make_app(model_dir=base, warmup=False)
-    (base / "3").mkdir()
+    (base / "3" / "variables").mkdir(parents=True)
     (base / "3" / "saved_model.pb").write_bytes(b"not a saved model")
-    core.registry(MODEL_NAME).refresh()
+    (base / "3" / "variables" / "variables.index").write_bytes(b"")
+    core.registry(MODEL_NAME).refresh(settle=False)
     status = c.get(f"/v1/models/{MODEL_NAME}").json["model_version_status"]
-    assert [(s["version"], s["state"], s["status"]["error_code"]) for s in status] == [
-        ("3", "END", "UNKNOWN"), ("1", "AVAILABLE", "OK")]
-    assert status[0]["status"]["error_message"]
+    assert status == [
+        {"version": "3", "state": "END", "status": {
+            "error_code": "DATA_LOSS",
+            "error_message": "version 3 could not be loaded: saved_model.pb is not a valid SavedModel (truncated or corrupt)"}},
+        {"version": "1", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}},
+    ]
     r = predict(c, {"instances": ["good"]})
     assert r.status_code == 200 and c.get("/readyz").status_code == 200

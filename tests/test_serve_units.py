@@ -17,7 +17,8 @@ from serve.asgi import HTTP_STATUS, dumps, error_response
 from serve.batching import Batcher
 from serve.config import ServeConfig
 from serve.core import validate_inputs
-from serve.models import ModelSource, Signature, TensorInfo, select_versions
+from serve.models import Signature, TensorInfo
+from serve.registry import ModelSource, select_versions
 from serve.protocol import (
     format_classify, format_predict, parse_classify, parse_json, parse_model_path, parse_predict, parse_sentiment,
 )
@@ -52,10 +53,11 @@ def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
 
 def test_version_policies():
     on_disk = [1, 2, 5]
-    assert select_versions(ModelSource("m", "m"), on_disk) == {5}
-    assert select_versions(ModelSource("m", "m", "all"), on_disk) == {1, 2, 5}
-    assert select_versions(ModelSource("m", "m", "specific", (2, 3)), on_disk) == {2}
-    assert select_versions(ModelSource("m", "m"), []) == set()
+    # in the order to try them: `latest` serves the first of these that loads
+    assert select_versions(ModelSource("m", "m"), on_disk) == [5, 2, 1]
+    assert select_versions(ModelSource("m", "m", "all"), on_disk) == [5, 2, 1]
+    assert select_versions(ModelSource("m", "m", "specific", (2, 3)), on_disk) == [2]
+    assert select_versions(ModelSource("m", "m"), []) == []
 
 
 def test_cli_is_generated_from_the_config():
