@@ -44,8 +44,14 @@ def _milliseconds(text: str) -> float:
 class ServeConfig:
     """What `python -m serve` does; tests build it directly."""
 
-    model_dir: str = option("", "model base directory models/NAME holding integer version subdirectories")
+    model_dir: str = option("", "one model: its base directory models/NAME holding integer version subdirectories")
     model_name: str = option("", "name in /v1/models/NAME (default: the base name of --model-dir)")
+    model_config_file: str = option(
+        "", "several models: a TF Serving ModelServerConfig text proto (model_config_list), instead of --model-dir"
+    )
+    model_config_file_poll_wait_seconds: float = option(
+        0.0, "seconds between checks of --model-config-file for changes; 0: read it once", metavar="SECONDS"
+    )
 
     host: str = option("0.0.0.0", "address to bind (as TF Serving, all interfaces); 127.0.0.1 for local only")
     port: int = option(8501, "REST port (TF Serving's default REST port)")
@@ -108,9 +114,19 @@ class ServeConfig:
                                   parse=_milliseconds, hidden=True)
 
     def __post_init__(self) -> None:
-        if not self.model_dir:
-            raise ValueError("--model-dir is required: the directory models/NAME holding version subdirectories")
-        if not self.model_name:
+        if self.model_config_file:
+            given = [f for f, default in (("--model-dir", ""), ("--model-name", ""), ("--versions", ()),
+                                          ("--version-labels", ()), ("--version-policy", "latest"))
+                     if getattr(self, f[2:].replace("-", "_")) != default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: not with --model-config-file, where each model sets its "
+                                 "base_path, model_version_policy and version_labels")
+        elif not self.model_dir:
+            raise ValueError("--model-dir is required (the directory models/NAME holding version subdirectories), "
+                             "or --model-config-file for several models")
+        if self.model_config_file_poll_wait_seconds < 0:
+            raise ValueError("--model-config-file-poll-wait-seconds must not be negative")
+        if self.model_dir and not self.model_name:
             object.__setattr__(self, "model_name", os.path.basename(os.path.normpath(self.model_dir)))
         if self.version_policy not in ("latest", "all", "specific"):
             raise ValueError(f"--version-policy {self.version_policy!r}: expected latest, all or specific")

@@ -57,32 +57,44 @@ class ServingCore:
         self.config = config
         self.metrics = Metrics()
         sources = list(sources) if sources is not None else [ModelSource.from_config(config)]
-        self.models: dict[str, ModelRegistry] = {
-            s.name: ModelRegistry(s, config, on_change=self._on_model_change) for s in sources
-        }
+        self.models: dict[str, ModelRegistry] = {}
+        self.batchers: dict[str, Batcher] = {}
+        """One batcher per model: its own bounded queue share and model thread(s)."""
+        for source in sources:
+            self._add(source)
         self.default_model = sources[0].name
-        self.batcher = Batcher(
-            max_batch_size=config.max_batch_size,
-            batch_timeout_s=config.batch_timeout_s,
-            max_queued_rows=config.max_queued_rows,
-            num_threads=config.num_batch_threads,
-            pad_single_row=config.pad_single_row,
-            overloaded=Overloaded if config.overload_status == 429 else Unavailable,
-            on_batch=self.metrics.observe_batch,
-        )
-        self.metrics.queued_rows.set_function(lambda: self.batcher.queued_rows)
+        self.metrics.queued_rows.set_function(lambda: sum(b.queued_rows for b in self.batchers.values()))
         self._draining = False
+        self._started = False
+        self._load = True
+
+    def _add(self, source: ModelSource) -> None:
+        self.models[source.name] = ModelRegistry(source, self.config, on_change=self._on_model_change)
+        self.batchers[source.name] = Batcher(
+            max_batch_size=self.config.max_batch_size,
+            batch_timeout_s=self.config.batch_timeout_s,
+            max_queued_rows=self.config.max_queued_rows,
+            num_threads=self.config.num_batch_threads,
+            pad_single_row=self.config.pad_single_row,
+            overloaded=Overloaded if self.config.overload_status == 429 else Unavailable,
+            on_batch=lambda rows, requests, seconds, name=source.name: self.metrics.observe_batch(
+                name, rows, requests, seconds),
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self, *, load: bool = True) -> "ServingCore":
-        """Start the batcher on the running loop and (unless `load` is False: tests that call
+        """Start the batchers on the running loop and (unless `load` is False: tests that call
         `load_now`) loading and polling model versions in background threads."""
-        self.batcher.start()
-        if load:
-            for registry in self.models.values():
-                registry.start()
+        self._started, self._load = True, load
+        for name in self.models:
+            self._start_model(name)
         return self
+
+    def _start_model(self, name: str) -> None:
+        self.batchers[name].start()
+        if self._load:
+            self.models[name].start()
 
     def load_now(self) -> "ServingCore":
         """Load every model synchronously (tests, benchmarks) from what is on disk now, taken as
@@ -91,9 +103,30 @@ class ServingCore:
             registry.refresh(settle=False)
         return self
 
+    async def apply_sources(self, sources: Sequence[ModelSource]) -> None:
+        """A new set of models (a re-read model config file): start new ones, stop removed ones,
+        update changed policies and labels in place. A model whose base path changed starts over."""
+        wanted = {s.name: s for s in sources}
+        for name in [n for n in self.models if n not in wanted or wanted[n].base_path != self.models[n].source.base_path]:
+            registry, batcher = self.models.pop(name), self.batchers.pop(name)
+            log.info("model %s %s", name, "removed from the config" if name not in wanted else "has a new base path")
+            await asyncio.to_thread(registry.stop)
+            await batcher.close(timeout=self.config.drain_timeout_s)
+            self.metrics.live_versions.labels(name).set(0)
+        for name, source in wanted.items():
+            if name in self.models:
+                self.models[name].update(source)
+            else:
+                log.info("model %s added from %s", name, source.base_path)
+                self._add(source)
+                if self._started:
+                    self._start_model(name)
+        if self.default_model not in self.models and sources:
+            self.default_model = sources[0].name
+
     @property
     def ready(self) -> bool:
-        return not self._draining and all(r.ready for r in self.models.values())
+        return not self._draining and bool(self.models) and all(r.ready for r in self.models.values())
 
     @property
     def draining(self) -> bool:
@@ -106,7 +139,8 @@ class ServingCore:
     async def close(self) -> None:
         self._draining = True
         await asyncio.gather(*(asyncio.to_thread(r.stop) for r in self.models.values()))
-        await self.batcher.close(timeout=self.config.drain_timeout_s)
+        for batcher in self.batchers.values():
+            await batcher.close(timeout=self.config.drain_timeout_s)
 
     def _on_model_change(self, registry: ModelRegistry) -> None:
         live = registry.live_versions
@@ -191,7 +225,18 @@ class ServingCore:
         self, model: LoadedModel, signature_name: str, inputs: Mapping[str, np.ndarray], timeout_s: float | None
     ) -> dict[str, np.ndarray]:
         timeout = self.config.request_timeout_s if timeout_s is None else min(timeout_s, self.config.request_timeout_s)
-        return await self.batcher.submit(model.runner(signature_name), inputs, timeout)
+        batcher = self.batchers.get(model.name)
+        if batcher is None:
+            raise Unavailable(f"model {model.name} was removed from the server's config")
+        return await batcher.submit(model.runner(signature_name), inputs, timeout)
+
+    def arriving(self, name: str) -> Batcher | None:
+        """Edges call this when a request for model `name` arrives (before reading its body) and
+        `batcher.arrived()` once it is decoded: the batcher waits for such requests only."""
+        batcher = self.batchers.get(name)
+        if batcher is not None:
+            batcher.arriving += 1
+        return batcher
 
 
 # -- validation, once for every edge -------------------------------------------------------------

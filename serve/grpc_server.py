@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 PREDICTION_SERVICE = "tensorflow.serving.PredictionService"
 MODEL_SERVICE = "tensorflow.serving.ModelService"
+HEALTH_SERVICES = ("", PREDICTION_SERVICE, MODEL_SERVICE)
+"""Names the Health service answers for ("" is the whole server, what Kubernetes asks by default)."""
+HEALTH_POLL_S = 0.25
 
 _ERROR_CODES = get_model_status_pb2.ModelVersionStatus.DESCRIPTOR.fields_by_name["status"].message_type \
     .fields_by_name["error_code"].enum_type.values_by_name
@@ -150,37 +153,34 @@ class GrpcApi:
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         methods = {
             PREDICTION_SERVICE: {
-                "Predict": ("predict", predict_pb2.PredictRequest, self.predict, True),
-                "Classify": ("classify", classification_pb2.ClassificationRequest, self.classify, True),
-                "Regress": ("regress", regression_pb2.RegressionRequest, self.regress, False),
+                "Predict": ("predict", predict_pb2.PredictRequest, self.predict),
+                "Classify": ("classify", classification_pb2.ClassificationRequest, self.classify),
+                "Regress": ("regress", regression_pb2.RegressionRequest, self.regress),
                 "GetModelMetadata": ("metadata", get_model_metadata_pb2.GetModelMetadataRequest,
-                                     self.get_model_metadata, False),
+                                     self.get_model_metadata),
             },
             MODEL_SERVICE: {
-                "GetModelStatus": ("status", get_model_status_pb2.GetModelStatusRequest, self.get_model_status, False),
+                "GetModelStatus": ("status", get_model_status_pb2.GetModelStatusRequest, self.get_model_status),
             },
         }
         out = [
             grpc.method_handlers_generic_handler(service, {
-                method: grpc.unary_unary_rpc_method_handler(self._unary(route, parse, handler, runs_model))
-                for method, (route, parse, handler, runs_model) in table.items()
+                method: grpc.unary_unary_rpc_method_handler(self._unary(route, parse, handler))
+                for method, (route, parse, handler) in table.items()
             })
             for service, table in methods.items()
         ]
         out.append(_Unimplemented())  # last: anything not served above
         return out
 
-    def _unary(self, route: str, message_class, handler: Handler, runs_model: bool):
-        metrics, batcher = self.core.metrics, self.core.batcher
+    def _unary(self, route: str, message_class, handler: Handler):
+        metrics = self.core.metrics
         label = f"grpc_{route}"
 
         async def call(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             start = time.perf_counter()
             self.in_flight += 1
             metrics.in_flight += 1
-            arriving = runs_model  # counted for the batcher until the request is decoded
-            if arriving:
-                batcher.arriving += 1
             code, message = grpc.StatusCode.OK, ""
             try:
                 try:
@@ -188,9 +188,6 @@ class GrpcApi:
                 except DecodeError:
                     log.info("gRPC %s: undecodable request (%d bytes)", route, len(raw))
                     raise InvalidArgument(f"request is not a valid {message_class.DESCRIPTOR.full_name}") from None
-                if arriving:
-                    arriving = False
-                    batcher.arrived()
                 response = await handler(request, context)
                 return response.SerializeToString()
             except ServingError as exc:
@@ -199,8 +196,6 @@ class GrpcApi:
                 log.exception("unhandled error in gRPC %s", route)
                 code, message = grpc.StatusCode.INTERNAL, "internal error"
             finally:
-                if arriving:
-                    batcher.arrived()
                 self.in_flight -= 1
                 metrics.in_flight -= 1
                 metrics.observe_request(label, code.name, time.perf_counter() - start)
@@ -247,13 +242,18 @@ def _examples(inp) -> list:
 
 
 class GrpcServer:
-    """A grpc.aio server on the serving loop, both services on `config.grpc_port`."""
+    """A grpc.aio server on the serving loop: TF Serving's two services and the standard
+    `grpc.health.v1.Health` (SERVING once every model has a live version; Kubernetes gRPC probes)."""
 
     def __init__(self, config: ServeConfig, core: ServingCore, *, reuse_port: bool = False) -> None:
+        from grpc_health.v1 import health, health_pb2_grpc
+
         self.config = config
+        self.core = core
         self.api = GrpcApi(config, core)
+        self.health = health.aio.HealthServicer()
+        self._health_task: asyncio.Task | None = None
         self._server = grpc.aio.server(
-            handlers=self.api.handlers(),
             options=[
                 ("grpc.max_receive_message_length", config.max_body_bytes),
                 ("grpc.max_send_message_length", -1),
@@ -261,6 +261,8 @@ class GrpcServer:
                 ("grpc.so_reuseport", 1 if reuse_port else 0),
             ],
         )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._server.add_generic_rpc_handlers(self.api.handlers())  # after Health: ends with a catch-all
         host = f"[{config.host}]" if ":" in config.host else config.host
         address = f"{host}:{config.grpc_port}"
         try:
@@ -271,14 +273,31 @@ class GrpcServer:
             raise OSError(f"--grpc-port {config.grpc_port}: cannot listen on {address} (in use?)")
 
     async def start(self) -> "GrpcServer":
+        await self._update_health()
         await self._server.start()
-        log.info("gRPC on %s:%d (PredictionService, ModelService)", self.config.host, self.port)
+        self._health_task = asyncio.ensure_future(self._watch_health())
+        log.info("gRPC on %s:%d (PredictionService, ModelService, Health)", self.config.host, self.port)
         return self
+
+    async def _update_health(self) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if self.core.ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in HEALTH_SERVICES:
+            await self.health.set(service, status)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            await self._update_health()
 
     async def stop(self, grace_s: float) -> int:
         """Refuse new RPCs now, let running ones finish for up to `grace_s`; returns how many had
         to be abandoned."""
         loop = asyncio.get_running_loop()
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self.health.enter_graceful_shutdown()
         stopping = asyncio.ensure_future(self._server.stop(grace_s))
         deadline = loop.time() + grace_s
         while self.api.in_flight and loop.time() < deadline:

@@ -23,17 +23,17 @@ class Metrics:
         )
         self.batch_size = Histogram(
             "serve_batch_size", "Rows per model call made by the dynamic batcher.",
-            buckets=_BATCH_BUCKETS, registry=r,
+            ["model"], buckets=_BATCH_BUCKETS, registry=r,
         )
         self.batch_requests = Histogram(
             "serve_batch_requests", "Requests merged into one model call.",
-            buckets=_BATCH_BUCKETS, registry=r,
+            ["model"], buckets=_BATCH_BUCKETS, registry=r,
         )
         self.model_latency = Histogram(
             "serve_model_call_seconds", "Duration of one model call.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.queued_rows = Gauge("serve_queued_rows", "Rows waiting in the batch queue.", registry=r)
+        self.queued_rows = Gauge("serve_queued_rows", "Rows waiting in the batch queues.", registry=r)
         self.model_version = Gauge(
             "serve_model_version", "Version answering requests without an explicit version.",
             ["model"], registry=r,
@@ -55,10 +55,10 @@ class Metrics:
         children[0].inc()
         children[1].observe(seconds)
 
-    def observe_batch(self, rows: int, requests: int, seconds: float) -> None:
-        self.batch_size.observe(rows)
-        self.batch_requests.observe(requests)
-        self.model_latency.observe(seconds)
+    def observe_batch(self, model: str, rows: int, requests: int, seconds: float) -> None:
+        self.batch_size.labels(model).observe(rows)
+        self.batch_requests.labels(model).observe(requests)
+        self.model_latency.labels(model).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

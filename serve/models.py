@@ -53,11 +53,12 @@ class LoadError(Exception):
 class LoadedModel:
     """One loaded SavedModel version; `runner(name)` gives the batchable call of a signature."""
 
-    def __init__(self, version: int, path: Path, model_delay_s: float = 0.0) -> None:
+    def __init__(self, name: str, version: int, path: Path, model_delay_s: float = 0.0) -> None:
         import tensorflow as tf
         from google.protobuf import json_format
         from tensorflow.core.protobuf import saved_model_pb2
 
+        self.name = name
         self.version = version
         self.path = path
         self._delay = model_delay_s

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve.config import ServeConfig
-
 _ERROR = {"$ref": "#/components/responses/Error"}
 _PREFIXES = {
     "/v1/models/{model}": [],
@@ -26,7 +24,7 @@ def _errors(*codes: int) -> dict[str, Any]:
     return {str(c): _ERROR for c in codes}
 
 
-def openapi_spec(config: ServeConfig) -> dict[str, Any]:
+def openapi_spec(model_names: list[str]) -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for prefix, params in _PREFIXES.items():
         parameters = [_MODEL_PARAM, *params]
@@ -53,11 +51,31 @@ def openapi_spec(config: ServeConfig) -> dict[str, Any]:
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("ClassifyRequest")}}},
             "responses": _errors(400, 404),
         }}
+    paths["/v1/models"] = {"get": {
+        "summary": "Every model and the status of its versions", "responses": {"200": _json_ref("ModelList")},
+    }}
     paths["/v1/sentiment"] = {"post": {
         "summary": "Sentiment of each text with the latest version",
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("SentimentRequest")}}},
         "responses": {"200": _json_ref("SentimentResponse"), **_errors(400, 413, 429, 503, 504)},
     }}
+    paths["/v2"] = {"get": {"summary": "Open Inference Protocol (KServe V2): server metadata",
+                            "responses": {"200": _json_ref("Status")}}}
+    paths["/v2/health/live"] = {"get": {"summary": "V2 liveness", "responses": {"200": _json_ref("Status")}}}
+    paths["/v2/health/ready"] = {"get": {"summary": "V2 readiness: every model has a version loaded",
+                                         "responses": {"200": _json_ref("Status"), **_errors(400)}}}
+    for prefix, params in (("/v2/models/{model}", []), ("/v2/models/{model}/versions/{version}", _PREFIXES[
+            "/v1/models/{model}/versions/{version}"])):
+        parameters = [_MODEL_PARAM, *params]
+        paths[prefix] = {"get": {"summary": "V2 model metadata (the serving_default signature's tensors)",
+                                 "parameters": parameters, "responses": {"200": _json_ref("Status"), **_errors(400, 404)}}}
+        paths[f"{prefix}/ready"] = {"get": {"summary": "V2 model readiness", "parameters": parameters,
+                                            "responses": {"200": _json_ref("Status"), **_errors(400, 404, 503)}}}
+        paths[f"{prefix}/infer"] = {"post": {
+            "summary": "V2 inference: BYTES inputs as JSON data or binary tensor data "
+                       "(Inference-Header-Content-Length), outputs selection", "parameters": parameters,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("V2InferRequest")}}},
+            "responses": {"200": _json_ref("Status"), **_errors(400, 404, 413, 429, 503, 504)}}}
     paths["/healthz"] = {"get": {"summary": "Liveness", "responses": {"200": _json_ref("Status")}}}
     paths["/readyz"] = {"get": {
         "summary": "Readiness: a version is loaded and warm, not shutting down",
@@ -77,7 +95,7 @@ def openapi_spec(config: ServeConfig) -> dict[str, Any]:
             "version": "1",
             "description": (
                 "TensorFlow Serving compatible REST API (routes case-insensitive) plus a friendly "
-                f"sentiment endpoint. Serving model {config.model_name!r}."
+                f"sentiment endpoint. Serving {', '.join(repr(n) for n in model_names)}."
             ),
         },
         "paths": paths,
@@ -106,6 +124,9 @@ _SCHEMAS: dict[str, Any] = {
             "state": {"enum": ["START", "LOADING", "AVAILABLE", "UNLOADING", "END"]},
             "status": {"type": "object", "properties": {"error_code": {"type": "string"}, "error_message": {"type": "string"}}},
         }}}}},
+    "ModelList": {"type": "object", "properties": {"models": {"type": "array", "items": {
+        "type": "object", "properties": {"name": {"type": "string"}, "model_version_status": {
+            "$ref": "#/components/schemas/ModelStatus/properties/model_version_status"}}}}}},
     "ModelMetadata": {"type": "object", "properties": {
         "model_spec": {"type": "object", "properties": {
             "name": {"type": "string"}, "signature_name": {"type": "string"}, "version": {"type": "string"}}},
@@ -133,6 +154,13 @@ _SCHEMAS: dict[str, Any] = {
     }, "required": ["examples"]},
     "ClassifyResponse": {"type": "object", "properties": {"results": {"type": "array", "items": {
         "type": "array", "items": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "number"}]}}}}},
+    "V2InferRequest": {"type": "object", "properties": {
+        "id": {"type": "string"}, "parameters": {"type": "object"},
+        "inputs": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "shape": {"type": "array", "items": {"type": "integer"}},
+            "datatype": {"type": "string"}, "data": {"type": "array"}, "parameters": {"type": "object"}}}},
+        "outputs": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}}}},
+    }, "required": ["inputs"]},
     "SentimentRequest": {"type": "object", "properties": {
         "texts": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}}, "required": ["texts"]},
     "SentimentResponse": {"type": "array", "items": {"type": "object", "properties": {

@@ -50,6 +50,8 @@ class ModelSource:
     versions: tuple[int, ...] = ()
     """Versions to serve with the `specific` policy."""
     version_labels: tuple[tuple[str, int], ...] = ()
+    num_latest: int = 1
+    """How many of the newest versions the `latest` policy serves (TF Serving's num_versions)."""
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "ModelSource":
@@ -136,8 +138,8 @@ class ModelRegistry:
         self._status: dict[int, VersionStatus] = {}
         self._seen: dict[int, Files] = {}  # last scan of each version directory
         self._failed: dict[int, tuple[tuple, int, float]] = {}  # version -> (files, attempts, retry after)
-        self._labels = dict(source.version_labels)
         self._refresh_lock = threading.Lock()
+        self._first_pass_done = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -145,7 +147,9 @@ class ModelRegistry:
 
     @property
     def ready(self) -> bool:
-        return bool(self._live)
+        """A version is live and the first pass over the versions on disk is done (so a server
+        with several versions to serve is ready once all of them loaded)."""
+        return bool(self._live) and self._first_pass_done
 
     @property
     def live_versions(self) -> list[int]:
@@ -175,9 +179,16 @@ class ModelRegistry:
         return [statuses[v] for v in sorted(statuses, reverse=True)]
 
     def label_version(self, label: str) -> int:
-        if label not in self._labels:
+        labels = dict(self.source.version_labels)
+        if label not in labels:
             raise NotFound(f"Unrecognized servable version label: {label}")
-        return self._labels[label]
+        return labels[label]
+
+    def update(self, source: ModelSource) -> None:
+        """A new policy or labels for the same base path; the next poll applies it."""
+        if source != self.source:
+            log.info("model %s: new version policy or labels from the config", self.name)
+            self.source = source
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -193,6 +204,7 @@ class ModelRegistry:
                 for version in sorted(set(self._live) - wanted):
                     self._unload(version)  # only once what replaces them is live
             self._tidy_status(wanted, dirs)
+            self._first_pass_done = True
 
     def _settled(self, dirs: dict[int, Path], settle: bool) -> list[int]:
         now = time.time()
@@ -220,8 +232,8 @@ class ModelRegistry:
                 continue
             if version in self._live or self._load(version):
                 wanted.add(version)
-                if self.source.version_policy == "latest":
-                    break  # the newest version that loads
+                if self.source.version_policy == "latest" and len(wanted) >= self.source.num_latest:
+                    break  # the newest version(s) that load
         return wanted
 
     def _should_try(self, version: int) -> bool:
@@ -250,7 +262,7 @@ class ModelRegistry:
         log.info("loading model %s version %d from %s", self.name, version, path)
         start = time.perf_counter()
         try:
-            model = LoadedModel(version, path, self.config.model_delay_s)
+            model = LoadedModel(self.name, version, path, self.config.model_delay_s)
             calls = model.warm_up(self.config.max_batch_size) if self.config.warmup else 0
         except Exception as exc:  # noqa: BLE001 - a bad version must not stop the server
             self._record_failure(version, path, exc)

@@ -1,5 +1,5 @@
-"""The REST edge: TF Serving's REST API, the friendly API, health, metrics, OpenAPI and the web
-page, as one routing table over one set of handlers (`create_app`).
+"""The REST edge: TF Serving's REST API, the Open Inference Protocol (serve/v2.py), the friendly
+API, health, metrics, OpenAPI and the web page, as one routing table (`create_app`).
 
 Handlers decode HTTP into plain values (`serve.protocol`), call the shared `ServingCore`, and
 encode its answer; the core validates and raises neutral errors that `serve.asgi` maps to HTTP.
@@ -7,11 +7,13 @@ encode its answer; the core validates and raises neutral errors that `serve.asgi
 
 from __future__ import annotations
 
-from serve import protocol, web
+import importlib.metadata
+
+from serve import protocol, v2, web
 from serve.asgi import App, Request, Response, Route, error_body, json_response
 from serve.config import ServeConfig
 from serve.core import ServingCore
-from serve.errors import InvalidArgument
+from serve.errors import InvalidArgument, NotFound
 from serve.metrics import CONTENT_TYPE_LATEST
 from serve.models import REGRESS_METHOD
 from serve.openapi import openapi_spec
@@ -32,17 +34,14 @@ class RestApi:
         if request.method == "GET":
             return self._metadata(path) if path.verb == "metadata" else self._status(path)
         core = self.core
-        batcher = core.batcher
-        batcher.arriving += 1
-        arrived = False
+        batcher = core.arriving(path.name)
         try:
             model = core.model(path.name, path.version, path.label)
             body = protocol.parse_json(await request.body())
             if path.verb == "predict":
                 signature_name = protocol.signature_name(body)
                 inputs, row_format = protocol.parse_predict(body, model.signature(signature_name))
-                batcher.arrived()
-                arrived = True
+                batcher = _arrived(batcher)
                 outputs = await core.predict(
                     model, signature_name, inputs,
                     row_label=protocol.instances_label if row_format else protocol.inputs_label,
@@ -50,23 +49,28 @@ class RestApi:
                 return json_response(protocol.format_predict(outputs, row_format))
             if path.verb == "classify":
                 signature_name, examples = protocol.parse_classify(body)
-                batcher.arrived()
-                arrived = True
+                batcher = _arrived(batcher)
                 _, outputs = await core.classify(model, signature_name, examples)
                 return json_response(protocol.format_classify(outputs["classes"], outputs["scores"]))
             model.signature_for_method(REGRESS_METHOD, protocol.signature_name(body, default=""))
             raise InvalidArgument("regression is not supported by this server")
         finally:
-            if not arrived:
-                batcher.arrived()
+            _arrived(batcher)  # failed before reaching the batcher: no longer on its way
 
     def _status(self, path: protocol.ModelPath) -> Response:
         statuses = self.core.status(path.name, path.version, path.label)
-        return json_response({"model_version_status": [
-            {"version": str(s.version), "state": s.state,
-             "status": {"error_code": s.error_code, "error_message": s.error_message}}
-            for s in statuses
-        ]})
+        return json_response({"model_version_status": [_status_json(s) for s in statuses]})
+
+    async def list_models(self, _request: Request) -> Response:
+        """Every model with its versions' status (what TF Serving users asked for in serving#795)."""
+        models = []
+        for name, registry in self.core.models.items():
+            try:
+                statuses = registry.status()
+            except NotFound:
+                statuses = []  # nothing on disk yet
+            models.append({"name": name, "model_version_status": [_status_json(s) for s in statuses]})
+        return json_response({"models": models})
 
     def _metadata(self, path: protocol.ModelPath) -> Response:
         model = self.core.model(path.name, path.version, path.label)
@@ -78,12 +82,11 @@ class RestApi:
     # -- friendly API ------------------------------------------------------------------------
 
     async def sentiment(self, request: Request) -> Response:
-        batcher = self.core.batcher
-        batcher.arriving += 1
+        batcher = self.core.arriving(self.core.default_model)
         try:
             texts = protocol.parse_sentiment(protocol.parse_json(await request.body()))
         finally:
-            batcher.arrived()
+            _arrived(batcher)
         version, results = await self.core.sentiment(texts)
         return json_response(
             [{"label": r.label, "score": r.score, "probabilities": r.probabilities} for r in results],
@@ -106,19 +109,40 @@ class RestApi:
             return Response(error_body(f"not ready: {what}"), 503)
         registry = core.models[core.default_model]
         return json_response({"status": "ready", "model": registry.name,
-                              "versions": [str(v) for v in registry.live_versions]})
+                              "versions": [str(v) for v in registry.live_versions],
+                              "models": {name: [str(v) for v in r.live_versions] for name, r in core.models.items()}})
 
     async def metrics(self, _request: Request) -> Response:
         return Response(self.core.metrics.render(), content_type=CONTENT_TYPE_LATEST.encode())
 
     async def openapi(self, _request: Request) -> Response:
-        return json_response(openapi_spec(self.config))
+        return json_response(openapi_spec(list(self.core.models)))
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("sentiment-dtensor")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _status_json(status) -> dict:  # noqa: ANN001 - a registry.VersionStatus
+    return {"version": str(status.version), "state": status.state,
+            "status": {"error_code": status.error_code, "error_message": status.error_message}}
+
+
+def _arrived(batcher) -> None:  # noqa: ANN001
+    """The request was decoded (or failed): it is no longer on its way to `batcher`."""
+    if batcher is not None:
+        batcher.arrived()
+    return None
 
 
 def routes(api: RestApi, page: web.WebPage) -> list[Route]:
     """The routing table: every path the REST port serves (OpenAPI documents the API ones)."""
     return [
-        Route.of("models", "GET POST", r"(?i)/v1/models/.*", api.models, raw=True),
+        Route.of("list_models", "GET", r"(?i)/v1/models/?", api.list_models),
+        Route.of("models", "GET POST", r"(?i)/v1/models/.+", api.models, raw=True),
         Route.of("sentiment", "POST", r"(?i)/v1/sentiment", api.sentiment),
         Route.of("healthz", "GET", r"/healthz", api.healthz),
         Route.of("readyz", "GET", r"/readyz", api.readyz),
@@ -133,7 +157,7 @@ def create_app(config: ServeConfig, core: ServingCore) -> App:
     """The REST port's ASGI app on a shared core (started by the caller, on the serving loop)."""
     api = RestApi(config, core)
     return App(
-        routes(api, web.WebPage(core.default_model)),
+        routes(api, web.WebPage(core.default_model)) + v2.routes(v2.V2Api(core, _version())),
         metrics=core.metrics,
         max_body_bytes=config.max_body_bytes,
         cors_origins=config.cors_origins,

@@ -25,6 +25,7 @@ import uvicorn
 from serve.config import ServeConfig
 from serve.connection import ConnectionLimits, protocol_class
 from serve.core import ServingCore
+from serve.model_config import ModelConfigError, config_sources, file_fingerprint, read_model_config
 from serve.rest import create_app
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ async def serve_async(
 ) -> int:
     """Serve on `sock` (and config.grpc_port) until SIGTERM (or SIGINT, unless this is one of
     several workers: their supervisor turns Ctrl+C into one SIGTERM each); returns the exit code."""
-    core = ServingCore(config)
+    core = ServingCore(config, config_sources(config))
     limits = ConnectionLimits(
         max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
         body_timeout_s=config.body_timeout_s, keepalive_timeout_s=config.keepalive_timeout_s,
@@ -136,7 +137,7 @@ async def serve_async(
     serving = None
     if worker is None:  # one process: answer /healthz and /readyz while the model loads
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
-        log.info("serving model %r from %s on http://%s:%d (REST)", config.model_name, config.model_dir, host, port)
+        log.info("serving %s on http://%s:%d (REST)", _describe(core), host, port)
     # TensorFlow is imported once, here, before the model loaders and the gRPC edge need it: two
     # threads importing it at the same time deadlock in its module locks.
     await asyncio.to_thread(importlib.import_module, "tensorflow")
@@ -149,12 +150,17 @@ async def serve_async(
         while not core.ready and not server.should_exit and loop.time() < deadline:
             await asyncio.sleep(0.05)
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
-        log.info("serving model %r on http://%s:%d (REST)", config.model_name, host, port)
+        log.info("serving %s on http://%s:%d (REST)", _describe(core), host, port)
     if config.grpc_port and not server.should_exit:
         from serve.grpc_server import GrpcServer
 
         grpc_server = await GrpcServer(config, core, reuse_port=worker is not None).start()
+    watcher = None
+    if config.model_config_file and config.model_config_file_poll_wait_seconds > 0:
+        watcher = asyncio.ensure_future(watch_model_config(config, core))
     await serving
+    if watcher is not None:
+        watcher.cancel()
     abandoned = server.abandoned
     if grpc_stopped:
         abandoned += await grpc_stopped[0]
@@ -166,6 +172,30 @@ async def serve_async(
         return EXIT_ABANDONED
     log.info("shut down cleanly: %d HTTP request(s) received, %d answered", received, answered)
     return EXIT_OK
+
+
+def _describe(core: ServingCore) -> str:
+    return ", ".join(f"model {name!r} from {r.source.base_path}" for name, r in core.models.items())
+
+
+async def watch_model_config(config: ServeConfig, core: ServingCore) -> None:
+    """Re-read --model-config-file when its contents change (TF Serving's
+    --model_config_file_poll_wait_seconds); a broken file is logged and the current models kept."""
+    path = config.model_config_file
+    last = await asyncio.to_thread(file_fingerprint, path)
+    while True:
+        await asyncio.sleep(config.model_config_file_poll_wait_seconds)
+        current = await asyncio.to_thread(file_fingerprint, path)
+        if current == last or current is None:
+            continue
+        last = current
+        try:
+            sources = await asyncio.to_thread(read_model_config, path)
+        except ModelConfigError as exc:
+            log.error("%s; keeping the models already served", exc)
+            continue
+        log.info("model config changed: serving %s", ", ".join(s.name for s in sources))
+        await core.apply_sources(sources)
 
 
 def configure_logging(config: ServeConfig, worker: int | None = None) -> None:
@@ -200,10 +230,11 @@ def serve(config: ServeConfig) -> int:
     """`python -m serve`: bind the ports, then run one worker here or supervise `config.workers`."""
     configure_logging(config)
     try:
+        config_sources(config)  # a broken --model-config-file stops here, before any port is taken
         sock = bind_socket(config.host, config.port)
         if config.grpc_port:
             bind_socket(config.host, config.grpc_port, "--grpc-port").close()  # in use by another server?
-    except StartupError as exc:
+    except (StartupError, ModelConfigError) as exc:
         print(f"serve: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     if config.workers == 1:

@@ -31,7 +31,11 @@ class ServerProcess:
         grpc: bool = False,
         log_path: Path | None = None,
         ready_timeout: float = 90.0,
+        wait_for: str = "/readyz",
+        model_args: tuple[str, ...] | None = None,
     ) -> None:
+        """Start the server and wait until `wait_for` answers 200 (`/healthz`: only until it listens).
+        `model_args` replace `--model-dir model_dir` (e.g. `--model-config-file F`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_target = None
@@ -43,19 +47,19 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serve", "--model-dir", str(model_dir), "--host", "127.0.0.1",
+            [sys.executable, "-m", "serve", *(model_args or ("--model-dir", str(model_dir))), "--host", "127.0.0.1",
              "--port", str(self.port), *args],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )
-        self.wait_ready(ready_timeout)
+        self.wait_ready(ready_timeout, wait_for)
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, path: str = "/readyz") -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if requests.get(self.url + "/readyz", timeout=1).status_code == 200:
+                if requests.get(self.url + path, timeout=1).status_code == 200:
                     return
             except requests.RequestException:
                 pass  # not listening yet, or busy loading

@@ -283,7 +283,8 @@ def test_gzip_bodies_are_inflated(client):
 def test_health_and_readiness(client, make_app):
     assert (client.get("/healthz").status_code, client.get("/healthz").json) == (200, {"status": "ok"})
     r = client.get("/readyz")
-    assert (r.status_code, r.json) == (200, {"status": "ready", "model": MODEL_NAME, "versions": ["1", "2"]})
+    assert (r.status_code, r.json) == (200, {"status": "ready", "model": MODEL_NAME, "versions": ["1", "2"],
+                                             "models": {MODEL_NAME: ["1", "2"]}})
     c, core = make_app(load=False)
     assert c.get("/healthz").status_code == 200
     r = c.get("/readyz")
@@ -324,6 +325,8 @@ def test_openapi_describes_every_route(client):
             body = {"examples": [{"text": "a"}], "instances": ["a"], "texts": ["a"]}
             if "classify" in path or "regress" in path:
                 del body["instances"]
+            if path.startswith("/v2"):
+                body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a"]}]}
             r = client.request(method.upper(), url, json=body if method == "post" else None)
             assert r.status_code == (400 if "regress" in path else 200), (url, r.json)
 

@@ -26,8 +26,10 @@ def server(model_base):
     assert srv.stop() == 0, srv.log()
 
 
-def _metric(text: str, name: str) -> float:
+def _metric(text: str, name: str, missing: float | None = None) -> float:
     match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    if match is None and missing is not None:
+        return missing  # not observed yet
     assert match, name
     return float(match.group(1))
 
@@ -89,9 +91,10 @@ def test_concurrent_requests_are_batched_and_equal_unbatched(server):
         assert body == unbatched[i % len(TEXTS)]
 
     after = requests.get(server.url + "/monitoring/prometheus/metrics", timeout=10).text
-    calls = _metric(after, "serve_batch_requests_count") - _metric(before, "serve_batch_requests_count")
-    singles = (_metric(after, 'serve_batch_requests_bucket{le="1.0"}')
-               - _metric(before, 'serve_batch_requests_bucket{le="1.0"}'))
+    count, single = f'serve_batch_requests_count{{model="{MODEL_NAME}"}}', \
+        f'serve_batch_requests_bucket{{le="1.0",model="{MODEL_NAME}"}}'
+    calls = _metric(after, count) - _metric(before, count, missing=0.0)
+    singles = _metric(after, single) - _metric(before, single, missing=0.0)
     requests_made = len(TEXTS) + len(results)
     assert calls < requests_made and calls - singles > 0, (calls, singles)
 

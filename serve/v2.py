@@ -1,0 +1,284 @@
+"""The Open Inference Protocol (KServe V2) on the REST port, beside TF Serving's API.
+
+    GET  /v2                                          server metadata
+    GET  /v2/health/live, /v2/health/ready            200, or 400 when not ready
+    GET  /v2/models/{m}[/versions/{v}]                model metadata (serving_default's tensors)
+    GET  /v2/models/{m}[/versions/{v}]/ready          200, or 4xx
+    POST /v2/models/{m}[/versions/{v}]/infer          inputs as JSON or as binary tensor data
+
+Spec: kserve/kserve docs/predict-api/v2/required_api.md. Triton's and KServe's clients send and ask
+for binary tensor data by default (the `binary_tensor_data` extension: an `Inference-Header-Content-Length`
+header, the JSON first, then each tensor's bytes; BYTES elements are 4-byte little-endian lengths
+followed by the bytes), so both forms are accepted and answered. Like every edge, this one only
+decodes and encodes: the core validates and runs the model.
+"""
+
+from __future__ import annotations
+
+import struct
+import urllib.parse
+from typing import Any
+
+import numpy as np
+
+from serve import protocol
+from serve.asgi import JSON, HttpError, Request, Response, Route, dumps, json_response
+from serve.core import ServingCore
+from serve.errors import InvalidArgument
+from serve.models import LoadedModel
+
+SERVER_NAME = "sentiment-dtensor"
+SIGNATURE = "serving_default"
+HEADER_LENGTH = b"inference-header-content-length"
+
+DATATYPES = {
+    "DT_STRING": "BYTES", "DT_FLOAT": "FP32", "DT_DOUBLE": "FP64", "DT_HALF": "FP16", "DT_INT8": "INT8",
+    "DT_INT16": "INT16", "DT_INT32": "INT32", "DT_INT64": "INT64", "DT_UINT8": "UINT8", "DT_UINT16": "UINT16",
+    "DT_UINT32": "UINT32", "DT_UINT64": "UINT64", "DT_BOOL": "BOOL",
+}
+"""TF dtype names -> V2 datatypes."""
+NUMPY = {
+    "FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT8": np.int8, "INT16": np.int16,
+    "INT32": np.int32, "INT64": np.int64, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
+    "UINT64": np.uint64, "BOOL": np.bool_,
+}
+
+
+class V2Api:
+    def __init__(self, core: ServingCore, version: str) -> None:
+        self.core = core
+        self.version = version
+
+    # -- server --------------------------------------------------------------------------------
+
+    async def server_metadata(self, _request: Request) -> Response:
+        return json_response({"name": SERVER_NAME, "version": self.version, "extensions": ["binary_tensor_data"]})
+
+    async def live(self, _request: Request) -> Response:
+        return json_response({"live": True})
+
+    async def ready(self, _request: Request) -> Response:
+        if not self.core.ready:
+            return json_response({"ready": False}, 400)
+        return json_response({"ready": True})
+
+    # -- models --------------------------------------------------------------------------------
+
+    def _model(self, request: Request) -> tuple[str, LoadedModel]:
+        name = urllib.parse.unquote(request.match["name"])
+        version = request.match["version"]
+        if version is not None:
+            if not version.isdigit() or len(version) > 18:
+                raise InvalidArgument(f"model version must be an integer, got {urllib.parse.unquote(version)!r}")
+            return name, self.core.model(name, int(version))
+        return name, self.core.model(name)
+
+    async def model(self, request: Request) -> Response:
+        verb = request.match["verb"]
+        request.route_label = f"v2_{verb or 'metadata'}"
+        if verb == "infer":
+            return await self._infer(request)
+        if request.method != "GET":
+            raise _method_not_allowed(request, "GET")
+        name, model = self._model(request)
+        if verb == "ready":
+            return json_response({"name": name, "ready": True})
+        signature = model.signature(SIGNATURE)
+        return json_response({
+            "name": name,
+            "versions": [str(v) for v in self.core.registry(name).live_versions],
+            "platform": "tensorflow_savedmodel",
+            "inputs": [_tensor_metadata(n, info) for n, info in signature.inputs.items()],
+            "outputs": [_tensor_metadata(n, info) for n, info in signature.outputs.items()],
+        })
+
+    async def _infer(self, request: Request) -> Response:
+        if request.method != "POST":
+            raise _method_not_allowed(request, "POST")
+        name, model = self._model(request)
+        batcher = self.core.arriving(name)
+        try:
+            body = await request.body()
+            header_length = request.header(HEADER_LENGTH)
+            head, binary = _split_body(body, header_length)
+            infer = protocol.parse_json(head)
+            signature = model.signature(SIGNATURE)
+            inputs = _decode_inputs(infer, signature, binary)
+            wanted, binary_out = _requested_outputs(infer, signature)
+        finally:
+            if batcher is not None:
+                batcher.arrived()
+        outputs = await self.core.predict(model, SIGNATURE, inputs, row_label=lambda n, i: f"input {n!r} element {i}")
+        response: dict[str, Any] = {"model_name": name, "model_version": str(model.version)}
+        if isinstance(infer.get("id"), str):
+            response["id"] = infer["id"]
+        tensors, chunks = [], []
+        for output in wanted:
+            tensor, chunk = _encode_output(output, outputs[output], binary_out[output])
+            tensors.append(tensor)
+            if chunk is not None:
+                chunks.append(chunk)
+        response["outputs"] = tensors
+        head = dumps(response)
+        if not chunks:
+            return Response(head, 200, JSON)
+        return Response(head + b"".join(chunks), 200, b"application/octet-stream",
+                        [(HEADER_LENGTH, str(len(head)).encode())])
+
+
+def _method_not_allowed(request: Request, allowed: str) -> HttpError:
+    return HttpError(405, f"Method Not Allowed: {request.scope['method']} {request.path} (allowed: {allowed})",
+                     [(b"allow", allowed.encode())])
+
+
+def _tensor_metadata(name: str, info) -> dict[str, Any]:  # noqa: ANN001 - models.TensorInfo
+    return {"name": name, "datatype": DATATYPES.get(info.dtype, info.dtype),
+            "shape": list(info.shape) if info.shape is not None else [-1]}
+
+
+def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    if header_length is None:
+        return body, b""
+    try:
+        n = int(header_length)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= len(body):
+        raise InvalidArgument(f"Inference-Header-Content-Length {header_length!r} does not fit the {len(body)}-byte body")
+    return body[:n], body[n:]
+
+
+def _decode_inputs(infer: dict, signature, binary: bytes) -> dict[str, np.ndarray]:  # noqa: ANN001
+    inputs = infer.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise InvalidArgument("'inputs' must be a non-empty list of tensors")
+    arrays, offset = {}, 0
+    for i, tensor in enumerate(inputs):
+        if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
+            raise InvalidArgument(f"inputs[{i}]: expected an object with 'name', 'shape', 'datatype' and 'data'")
+        name = tensor["name"]
+        if name not in signature.inputs:
+            raise InvalidArgument(f"unexpected inference input {name!r}; the model takes {sorted(signature.inputs)}")
+        expected = DATATYPES.get(signature.inputs[name].dtype)
+        datatype = tensor.get("datatype")
+        if datatype != expected:
+            raise InvalidArgument(f"input {name!r}: datatype {datatype!r}, the model expects {expected}")
+        shape = tensor.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise InvalidArgument(f"input {name!r}: 'shape' must be a list of non-negative integers")
+        count = int(np.prod(shape)) if shape else 1
+        size = (tensor.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise InvalidArgument(f"input {name!r}: binary_data_size {size!r} does not fit the binary data")
+            values = _from_binary(binary[offset:offset + size], datatype, count, name)
+            offset += size
+        else:
+            values = _from_json(tensor.get("data"), datatype, count, name)
+        arrays[name] = values.reshape(shape)
+    if offset != len(binary):
+        raise InvalidArgument(f"{len(binary) - offset} bytes of binary data are not claimed by any input")
+    return arrays
+
+
+def _flatten(data: Any) -> list:
+    if not isinstance(data, list):
+        return [data]
+    out: list = []
+    for item in data:
+        out.extend(_flatten(item) if isinstance(item, list) else [item])
+    return out
+
+
+def _from_json(data: Any, datatype: str, count: int, name: str) -> np.ndarray:
+    if data is None:
+        raise InvalidArgument(f"input {name!r}: no 'data' (and no binary_data_size)")
+    values = _flatten(data)
+    if len(values) != count:
+        raise InvalidArgument(f"input {name!r}: the shape holds {count} elements but 'data' has {len(values)}")
+    if datatype == "BYTES":
+        array = np.empty(count, dtype=object)
+        for i, value in enumerate(values):
+            if not isinstance(value, str):
+                raise InvalidArgument(f"input {name!r} element {i}: expected a string, got {protocol.describe(value)}")
+            array[i] = value.encode("utf-8", "surrogatepass")
+        return array
+    try:
+        return np.asarray(values, dtype=NUMPY[datatype])
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgument(f"input {name!r}: 'data' must be {datatype} numbers") from None
+
+
+def _from_binary(raw: bytes, datatype: str, count: int, name: str) -> np.ndarray:
+    if datatype != "BYTES":
+        itemsize = np.dtype(NUMPY[datatype]).itemsize
+        if len(raw) != count * itemsize:
+            raise InvalidArgument(f"input {name!r}: {len(raw)} bytes of binary data for {count} {datatype} elements")
+        return np.frombuffer(raw, dtype=NUMPY[datatype]).copy()
+    array, at = np.empty(count, dtype=object), 0
+    for i in range(count):
+        if at + 4 > len(raw):
+            raise InvalidArgument(f"input {name!r}: binary BYTES data ends before element {i}")
+        (length,) = struct.unpack_from("<I", raw, at)
+        at += 4
+        if at + length > len(raw):
+            raise InvalidArgument(f"input {name!r}: binary BYTES element {i} is longer than the data")
+        array[i] = raw[at:at + length]
+        at += length
+    if at != len(raw):
+        raise InvalidArgument(f"input {name!r}: {len(raw) - at} bytes of binary data after the {count} elements")
+    return array
+
+
+def _requested_outputs(infer: dict, signature) -> tuple[list[str], dict[str, bool]]:  # noqa: ANN001
+    default_binary = bool((infer.get("parameters") or {}).get("binary_data_output", False))
+    requested = infer.get("outputs")
+    if requested is None:
+        return list(signature.outputs), {name: default_binary for name in signature.outputs}
+    if not isinstance(requested, list):
+        raise InvalidArgument("'outputs' must be a list of {\"name\": ...} objects")
+    wanted, binary = [], {}
+    for i, output in enumerate(requested):
+        if not isinstance(output, dict) or not isinstance(output.get("name"), str):
+            raise InvalidArgument(f"outputs[{i}]: expected an object with a 'name'")
+        name = output["name"]
+        if name not in signature.outputs:
+            raise InvalidArgument(f"unexpected inference output {name!r}; the model has {sorted(signature.outputs)}")
+        wanted.append(name)
+        binary[name] = bool((output.get("parameters") or {}).get("binary_data", default_binary))
+    return wanted, binary
+
+
+def _encode_output(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+    datatype = "BYTES" if array.dtype == object else next(
+        (k for k, v in NUMPY.items() if np.dtype(v) == array.dtype), str(array.dtype))
+    tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+    flat = array.ravel()
+    if binary:
+        if datatype == "BYTES":
+            chunk = b"".join(struct.pack("<I", len(v)) + v for v in flat.tolist())
+        else:
+            chunk = np.ascontiguousarray(flat).tobytes()
+        tensor["parameters"] = {"binary_data_size": len(chunk)}
+        return tensor, chunk
+    if datatype == "BYTES":
+        try:
+            tensor["data"] = [v.decode("utf-8") for v in flat.tolist()]
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"output {name!r} is not UTF-8 text: ask for it as binary data") from None
+    else:
+        tensor["data"] = flat
+    return tensor, None
+
+
+def routes(api: V2Api) -> list[Route]:
+    return [
+        Route.of("v2_server", "GET", r"/v2/?", api.server_metadata),
+        Route.of("v2_live", "GET", r"/v2/health/live", api.live),
+        Route.of("v2_ready", "GET", r"/v2/health/ready", api.ready),
+        Route.of("v2_model", "GET POST",
+                 r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?:/(?P<verb>ready|infer))?",
+                 api.model, raw=True),
+    ]
+
