@@ -10,8 +10,9 @@ The REST transport (the default) needs only `requests`; `transport="grpc"` impor
 
 import logging
 
-from client.client import ModelVersionStatus, Prediction, SentimentClient
-from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, ModelNotFound, ServerUnavailable
+from client.client import SentimentClient
+from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, InvalidURL, ModelNotFound, ServerUnavailable
+from client.results import ModelVersionStatus, Prediction
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -20,6 +21,7 @@ __all__ = [
     "Prediction",
     "ModelVersionStatus",
     "ClientError",
+    "InvalidURL",
     "ModelNotFound",
     "InvalidInput",
     "ServerUnavailable",

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from client import ClientError, SentimentClient, ServerUnavailable
+from client import ClientError, InvalidURL, SentimentClient, ServerUnavailable
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 
@@ -54,19 +54,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+    if args.transport == "grpc":
+        try:
+            import client.grpc_transport  # noqa: F401 - grpcio, tensorflow-serving-api (and so TensorFlow)
+        except ImportError as exc:
+            print(f"error: --transport grpc needs the gRPC extra: pip install \"sentiment-client[grpc]\" ({exc})",
+                  file=sys.stderr)
+            return EXIT_USAGE
     try:
         with SentimentClient(args.url, args.model, transport=args.transport, version=args.version,
                              timeout=args.timeout, retries=args.retries, batch_size=args.batch_size) as client:
             if args.wait > 0:
                 client.wait_until_ready(args.wait)
             predictions = client.predict(args.texts)
+    except InvalidURL as exc:  # a malformed --url, https:// to a plain-HTTP server
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except ServerUnavailable as exc:
         print(f"error: server unavailable: {exc}\n(is the server running at {args.url}?)", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except ClientError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except ValueError as exc:  # bad --url and the like
+    except ValueError as exc:  # options the client refuses (negative --timeout, ...)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:

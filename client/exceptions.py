@@ -24,6 +24,11 @@ class ClientError(Exception):
         return f"{self.message} (status {self.status})" if self.status is not None else self.message
 
 
+class InvalidURL(ClientError, ValueError):
+    """The server address cannot be used as given: malformed, a bad port, or https:// against a
+    plain-HTTP server. A usage error: fix the URL."""
+
+
 class ModelNotFound(ClientError, LookupError):
     """The model, version, label or signature does not exist on the server (404 / NOT_FOUND)."""
 
@@ -43,4 +48,4 @@ class DeadlineExceeded(ClientError, TimeoutError):
     DEADLINE_EXCEEDED). Predictions have no side effects, so retrying is safe."""
 
 
-__all__ = ["ClientError", "ModelNotFound", "InvalidInput", "ServerUnavailable", "DeadlineExceeded"]
+__all__ = ["ClientError", "InvalidURL", "ModelNotFound", "InvalidInput", "ServerUnavailable", "DeadlineExceeded"]

@@ -19,7 +19,7 @@ from tensorflow_serving.apis import (
     prediction_service_pb2_grpc,
 )
 
-from client.client import ModelVersionStatus, RawPrediction
+from client.results import ModelVersionStatus, RawPrediction
 from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, ModelNotFound, ServerUnavailable
 
 _MAX_MESSAGE = 64 * 1024 * 1024

@@ -355,3 +355,44 @@ def test_cli_errors(server):
 
     usage = _python("-m", "client", "--url", server.url)
     assert usage.returncode == 2 and "no texts" in usage.stderr
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://127.0.0.1:99999", "the port must be a number from 1 to 65535"),
+    ("http://127.0.0.1:abc", "the port must be a number from 1 to 65535"),
+    ("ftp://127.0.0.1:8501", "expected http://host:port or https://host:port"),
+])
+def test_cli_malformed_url_is_a_usage_error(url, message):
+    result = _python("-m", "client", "--url", url, "good")
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_cli_https_against_plain_http_fails_fast_with_a_clear_message(server):
+    start = time.monotonic()
+    result = _python("-m", "client", "--url", server.url.replace("http://", "https://"), "--timeout", "30", "good")
+    assert result.returncode == 2 and time.monotonic() - start < 10, result.stderr
+    assert f"if the server speaks plain HTTP, use {server.url}" in result.stderr
+
+
+def test_the_client_installs_alone_without_tensorflow(server, tmp_path):
+    """`pip install ./client` in a fresh virtual environment: requests only, no TensorFlow, and the
+    CLI answers against a running server; the gRPC transport asks for its extra."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run([python, "-m", "pip", "install", "-q", str(REPO / "client")],
+                             capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    no_tf = subprocess.run([python, "-c", "import tensorflow"], capture_output=True, text=True, cwd=tmp_path)
+    assert no_tf.returncode != 0 and "No module named 'tensorflow'" in no_tf.stderr
+    # run from tmp_path, so only the installed copy of the package can be imported
+    cli = subprocess.run([python, "-m", "client", "--url", server.url, "--json", "a wonderful film"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)[0]["label"] in ("negative", "positive")
+    script = subprocess.run([str(venv / "bin" / "sentiment-client"), "--url", server.url, "good"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert script.returncode == 0 and script.stdout.split("\t")[0] in ("negative", "positive"), script.stderr
+    grpc_ = subprocess.run([python, "-m", "client", "--transport", "grpc", "--url", server.grpc_target, "good"],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert grpc_.returncode == 2 and 'pip install "sentiment-client[grpc]"' in grpc_.stderr, grpc_.stderr
