@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="texts per request (default: 64)")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="first wait until the model is ready")
     p.add_argument("--json", action="store_true", help="print a JSON array instead of text lines")
-    p.add_argument("-v", "--verbose", action="store_true", help="log retries")
+    p.add_argument("-v", "--verbose", action="store_true", help="log retries (and TensorFlow's C++ lines with gRPC)")
     args = p.parse_args(argv)
     if args.file:
         try:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
     if args.transport == "grpc":
         try:
-            import client.grpc_transport  # noqa: F401 - grpcio, tensorflow-serving-api (and so TensorFlow)
+            _import_grpc_transport(quiet=not args.verbose and "TF_CPP_MIN_LOG_LEVEL" not in os.environ)
         except ImportError as exc:
             print(f"error: --transport grpc needs the gRPC extra: pip install \"sentiment-client[grpc]\" ({exc})",
                   file=sys.stderr)
@@ -86,6 +86,25 @@ def main(argv: list[str] | None = None) -> int:
         for p in predictions:
             print(f"{p.label}\t{p.score:.4f}\t{p.text}")
     return 0
+
+
+def _import_grpc_transport(quiet: bool) -> None:
+    """Import the gRPC transport (grpcio, tensorflow-serving-api and so TensorFlow). Unless `quiet`
+    is False, TensorFlow's C++ start-up lines are kept off the terminal: they are printed before
+    its logging honours TF_CPP_MIN_LOG_LEVEL, so stderr is pointed at /dev/null during the import."""
+    if not quiet:
+        import client.grpc_transport  # noqa: F401
+        return
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        import client.grpc_transport  # noqa: F401
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""Export a training checkpoint as a versioned SavedModel that TensorFlow Serving can load."""
+"""Export a training checkpoint as a versioned SavedModel that TensorFlow Serving can load.
+
+The exporter (which imports TensorFlow) loads on first use, so `python -m export --help` is quick
+and quiet.
+"""
 
 from export.config import DEFAULT_SAMPLES, ExportConfig
-from export.exporter import ExportError, ExportResult, Prediction, describe_signatures, export_model, next_version
 
 __all__ = [
     "DEFAULT_SAMPLES",
@@ -13,3 +16,11 @@ __all__ = [
     "export_model",
     "next_version",
 ]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from export import exporter
+
+        return getattr(exporter, name)
+    raise AttributeError(f"module 'export' has no attribute {name!r}")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+from common.quiet import quiet_tensorflow  # noqa: E402
+
+quiet_tensorflow()  # before anything imports TensorFlow; --verbose keeps its C++ logs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sample", dest="samples", action="append", metavar="TEXT",
         help="a review to check, print and use as a warm-up request (repeatable; default: three built-in ones)",
     )
+    parser.add_argument("--verbose", action="store_true", help="also show TensorFlow's C++ log lines")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

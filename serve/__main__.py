@@ -7,10 +7,11 @@ imports TensorFlow, which only model loading does.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before any TensorFlow import
+from common.quiet import quiet_tensorflow  # noqa: E402
+
+quiet_tensorflow()  # before anything imports TensorFlow; --verbose keeps its C++ logs
 
 
 def parse_args(argv: list[str] | None = None):
@@ -22,7 +23,9 @@ def parse_args(argv: list[str] | None = None):
         description="Serve a sentiment SavedModel over TF Serving's REST and gRPC APIs.",
     )
     add_dataclass_arguments(parser, ServeConfig)
+    parser.add_argument("--verbose", action="store_true", help="also show TensorFlow's C++ log lines")
     args = parser.parse_args(argv)
+    del args.verbose  # read by quiet_tensorflow() from the command line
     try:
         return dataclass_from_args(ServeConfig, args)
     except ValueError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,10 @@ from pathlib import Path
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
+
+CPP_LOG = re.compile(r"^(WARNING: All log messages before absl|[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]|To enable the "
+                     r"following instructions)", re.M)
+"""TensorFlow's C++ log lines: absl's banner, glog-style lines, the CPU-feature notice."""
 
 
 def free_port() -> int:
@@ -45,7 +50,8 @@ class ServerProcess:
             args = ("--grpc-port", str(grpc_port), *args)
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-{self.port}.log"
         self._log = open(self.log_path, "wb")
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+        # As a user would start it: the server keeps TensorFlow's C++ lines out of its log itself.
+        env = {**{k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serve", *(model_args or ("--model-dir", str(model_dir))), "--host", "127.0.0.1",
              "--port", str(self.port), *args],

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from conftest import MODEL_NAME, add_model_version, copy_model_base
-from serve_process import ServerProcess
+from serve_process import CPP_LOG, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,8 @@ def server(model_base):
     srv = ServerProcess(model_base, "--poll-interval", "0", "--batch-timeout-ms", "5", "--max-body-bytes", "100000")
     yield srv
     assert srv.stop() == 0, srv.log()
+    log = srv.log_path.read_text()
+    assert not CPP_LOG.search(log), log[:3000]  # no TensorFlow C++ lines in a server's log by default
 
 
 def _metric(text: str, name: str, missing: float | None = None) -> float:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+from common.quiet import quiet_tensorflow  # noqa: E402
+
+quiet_tensorflow()  # before anything imports TensorFlow; --verbose keeps its C++ logs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run N clients of one mesh on this machine (127.0.0.1, free ports), forward their output "
         "and stop them all if one fails; --devices stays the global device count",
     )
+    parser.add_argument("--verbose", action="store_true", help="also show TensorFlow's C++ log lines")
     # Unset cluster flags fall back to DTENSOR_JOBS / DTENSOR_CLIENT_ID (flags win).
     parser.set_defaults(num_clients=None, client_id=None, jobs=None)
     args = parser.parse_args(argv)

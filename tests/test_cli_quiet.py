@@ -1,0 +1,49 @@
+"""Quiet, quick command lines: no TensorFlow C++ log lines on the terminal unless asked for."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from serve_process import CPP_LOG, REPO
+
+
+def _env() -> dict[str, str]:
+    """The environment of a user who set nothing (the test session sets TF_CPP_MIN_LOG_LEVEL)."""
+    return {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "SENTIMENT_QUIET_TENSORFLOW")}
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("stage", ["train", "export", "serve", "client"])
+def test_help_is_quiet(stage):
+    out = run("-m", stage, "--help")
+    assert out.returncode == 0 and "usage: python -m" in out.stdout
+    assert out.stderr == "", out.stderr
+
+
+@pytest.mark.parametrize("stage", ["export", "serve", "client"])
+def test_help_is_quick_and_imports_no_tensorflow(stage):
+    code = (f"import sys, runpy; sys.argv = ['{stage}', '--help']\n"
+            f"try:\n    runpy.run_module('{stage}', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('TF', 'tensorflow' in sys.modules, file=sys.stderr)")
+    start = time.monotonic()
+    out = run("-c", code)
+    assert out.stderr.strip() == "TF False" and time.monotonic() - start < 3, out.stderr
+
+
+@pytest.mark.slow
+def test_a_real_export_is_quiet_and_verbose_brings_the_lines_back(trained_run, tmp_path):
+    out = run("-m", "export", "--checkpoint-dir", str(trained_run), "--model-dir", str(tmp_path / "m"))
+    assert out.returncode == 0, out.stderr
+    assert not CPP_LOG.search(out.stderr), out.stderr
+    verbose = run("-m", "export", "--checkpoint-dir", str(trained_run), "--model-dir", str(tmp_path / "m"),
+                  "--verbose")
+    assert verbose.returncode == 0 and CPP_LOG.search(verbose.stderr), verbose.stderr
