@@ -1,34 +1,38 @@
-"""Devices, meshes and layouts shared by training and export.
+"""Devices, meshes and layouts shared by training and export: the one place meshes are made.
 
 DTensor needs its devices configured before TensorFlow runs any op, and a mesh over devices that
-do not exist crashes (tensorflow#106304), so every entry point calls `configure_devices` first and
-every mesh is built over devices we know are there.
+do not exist crashes (tensorflow#106304), so every mesh is built over devices we know are there:
+`create_mesh` makes a run's mesh, in one process or across the clients of a multi-client run.
+Mesh descriptions (parsing, strategies, cluster checks) are TensorFlow-free in `common.mesh_spec`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
+import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from common.mesh_spec import (
+    BATCH,
+    ENV_CLIENT_ID,
+    ENV_JOB_NAME,
+    ENV_JOBS,
+    FEATURE,
+    JOB_NAME,
+    MODEL,
+    MeshDims,
+    MeshError,
+    check_client_mesh,
+    parse_jobs,
+)
+
 log = logging.getLogger(__name__)
 
-BATCH, FEATURE, MODEL = "batch", "feature", "model"
-"""Mesh dimension names the model knows how to shard over; other names are replicated."""
-
-Strategy = Literal["data", "model", "spatial"]
-STRATEGIES: tuple[str, ...] = ("data", "model", "spatial")
 DeviceType = Literal["auto", "CPU", "GPU"]
-
-MeshDims = list[tuple[str, int]]
-
-
-class MeshError(ValueError):
-    """A mesh, strategy or device request that cannot be satisfied; the message names the flag."""
 
 
 def configure_devices(num_devices: int, device_type: DeviceType = "auto") -> str:
@@ -63,60 +67,72 @@ def configure_devices(num_devices: int, device_type: DeviceType = "auto") -> str
     return "CPU"
 
 
-_DIM_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d+)\s*$")
+def export_cluster_env(num_clients: int, client_id: int, jobs: Sequence[str]) -> None:
+    """Set the DTENSOR_* variables DTensor reads when it initializes (before any TF op).
+
+    With one client the variables are removed, so DTensor runs in local mode; a stale
+    DTENSOR_JOBS listing other clients would otherwise make it wait for them.
+    """
+    if num_clients == 1:
+        stale = os.environ.get(ENV_JOBS)
+        if stale and len(parse_jobs(stale, ENV_JOBS)) > 1:
+            raise MeshError(
+                f"{ENV_JOBS}={stale!r} lists several clients but --num-clients is 1; "
+                f"pass --num-clients/--client-id or unset {ENV_JOBS}"
+            )
+        for name in (ENV_JOBS, ENV_CLIENT_ID):
+            os.environ.pop(name, None)
+        return
+    if len(jobs) != num_clients:
+        raise MeshError(f"--jobs lists {len(jobs)} client(s) but --num-clients is {num_clients}; they must match")
+    os.environ[ENV_JOBS] = ",".join(jobs)
+    os.environ[ENV_CLIENT_ID] = str(client_id)
+    os.environ[ENV_JOB_NAME] = os.environ.get(ENV_JOB_NAME) or JOB_NAME
 
 
-def parse_mesh(spec: str) -> MeshDims:
-    """Parse `"batch=4,model=2"` into `[("batch", 4), ("model", 2)]`."""
-    dims: MeshDims = []
-    for part in spec.split(","):
-        match = _DIM_RE.match(part)
-        if not match:
-            raise MeshError(f"--mesh {spec!r}: expected NAME=SIZE[,NAME=SIZE...], got {part!r}")
-        name, size = match.group(1), int(match.group(2))
-        if size < 1:
-            raise MeshError(f"--mesh {spec!r}: dimension {name!r} must have size >= 1")
-        if any(name == existing for existing, _ in dims):
-            raise MeshError(f"--mesh {spec!r}: dimension {name!r} appears twice")
-        dims.append((name, size))
-    return dims
+def create_mesh(
+    dims: MeshDims,
+    devices: int,
+    device_type: DeviceType = "auto",
+    *,
+    num_clients: int = 1,
+    client_id: int = 0,
+    jobs: Sequence[str] = (),
+) -> dtensor.Mesh:
+    """A run's mesh: this process's devices, or one mesh over every client's (num_clients > 1).
 
-
-def strategy_mesh(strategy: str, num_devices: int) -> MeshDims:
-    """The mesh a named strategy implies on `num_devices` devices (the DTensor tutorial's three)."""
-    if strategy == "data":
-        return [(BATCH, num_devices)]
-    if strategy == "model":
-        if num_devices % 2:
-            raise MeshError(f"--strategy model needs an even --devices, got {num_devices}")
-        return [(BATCH, num_devices // 2), (MODEL, 2)]
-    if strategy == "spatial":
-        if num_devices % 4:
-            raise MeshError(f"--strategy spatial needs --devices divisible by 4, got {num_devices}")
-        return [(BATCH, num_devices // 4), (FEATURE, 2), (MODEL, 2)]
-    raise MeshError(f"--strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
-
-
-def resolve_mesh_dims(mesh: str | None, strategy: str | None, num_devices: int) -> MeshDims:
-    """Mesh dims from `--mesh` or `--strategy` (data parallel when neither is given)."""
-    if mesh and strategy:
-        raise MeshError("give either --mesh or --strategy, not both")
-    dims = parse_mesh(mesh) if mesh else strategy_mesh(strategy or "data", num_devices)
-    product = 1
-    for _, size in dims:
-        product *= size
-    if product != num_devices:
-        raise MeshError(
-            f"--mesh {format_mesh(dims)} spans {product} devices but --devices is {num_devices}"
-        )
+    Multi-client (DESIGN.md): the DTENSOR_* variables are set, DTensor's runtime is started with
+    `devices / num_clients` devices in this process, and `create_distributed_mesh` numbers devices
+    client by client. Each client feeds its own share of every batch, so every batch replica must
+    live on one client (`check_client_mesh`).
+    """
     unknown = [name for name, _ in dims if name not in (BATCH, FEATURE, MODEL)]
     if unknown:
         log.warning("mesh dimension(s) %s are not used by the model: replicated over", unknown)
-    return dims
-
-
-def format_mesh(dims: MeshDims) -> str:
-    return ",".join(f"{name}={size}" for name, size in dims)
+    export_cluster_env(num_clients, client_id, jobs)
+    if num_clients == 1:
+        return build_mesh(dims, configure_devices(devices, device_type))
+    check_client_mesh(dims, devices, num_clients)
+    per_client = devices // num_clients
+    gpus = tf.config.list_physical_devices("GPU")
+    kind = "GPU" if device_type == "GPU" or (device_type == "auto" and gpus) else "CPU"
+    if kind == "GPU":
+        if len(gpus) < per_client:
+            raise MeshError(f"--devices {devices} on {num_clients} clients needs {per_client} GPU(s) per client, "
+                            f"this one sees {len(gpus)}")
+        # The first GPUs this process sees; clients sharing a host need their own CUDA_VISIBLE_DEVICES.
+        tf.config.set_visible_devices(gpus[:per_client], "GPU")
+    try:
+        dtensor.initialize_accelerator_system(kind, num_logical_cpu_devices=per_client if kind == "CPU" else None)
+    except ValueError as exc:
+        if "already been initialized" not in str(exc) or "Accelerator" not in str(exc):
+            raise MeshError(f"multi-client training must start DTensor before TensorFlow runs anything; run it "
+                            f"in a fresh process ({exc})") from None
+        # DTensor already started in this process (a second train() call): reuse it.
+    if dtensor.num_clients() != num_clients or dtensor.num_local_devices(kind) != per_client:
+        raise MeshError(f"this process already runs {dtensor.num_clients()} client(s) x "
+                        f"{dtensor.num_local_devices(kind)} {kind} device(s), not {num_clients} x {per_client}")
+    return dtensor.create_distributed_mesh(dims, device_type=kind)
 
 
 def build_mesh(dims: MeshDims, device_type: str = "CPU") -> dtensor.Mesh:

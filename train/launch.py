@@ -20,12 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import IO, Mapping, Sequence
 
-log = logging.getLogger(__name__)
+from common.mesh_spec import ENV_CLIENT_ID, ENV_JOBS, MeshError, parse_jobs
 
-ENV_JOBS = "DTENSOR_JOBS"
-ENV_CLIENT_ID = "DTENSOR_CLIENT_ID"
-ENV_JOB_NAME = "DTENSOR_JOB_NAME"
-JOB_NAME = "worker"
+log = logging.getLogger(__name__)
 
 LAUNCH_FLAG = "--launch-local"
 CLUSTER_FLAGS = ("--num-clients", "--client-id", "--jobs")
@@ -44,17 +41,6 @@ class Cluster:
     jobs: tuple[str, ...]  # host:port of every client, in client order; empty for one client
 
 
-def parse_jobs(text: str, source: str = "--jobs") -> tuple[str, ...]:
-    jobs = tuple(part.strip() for part in text.split(",") if part.strip())
-    for job in jobs:
-        host, sep, port = job.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ClusterError(f"{source} {text!r}: expected host:port[,host:port...], got {job!r}")
-    if len(set(jobs)) != len(jobs):
-        raise ClusterError(f"{source} {text!r}: every client needs its own host:port")
-    return jobs
-
-
 def resolve_cluster(
     num_clients: int | None,
     client_id: int | None,
@@ -67,9 +53,12 @@ def resolve_cluster(
     only the job list is given. Raises ClusterError when the pieces disagree.
     """
     environ = os.environ if environ is None else environ
-    job_list = parse_jobs(jobs) if jobs else ()
-    if not job_list and environ.get(ENV_JOBS):
-        job_list = parse_jobs(environ[ENV_JOBS], ENV_JOBS)
+    try:
+        job_list = parse_jobs(jobs) if jobs else ()
+        if not job_list and environ.get(ENV_JOBS):
+            job_list = parse_jobs(environ[ENV_JOBS], ENV_JOBS)
+    except MeshError as exc:
+        raise ClusterError(str(exc)) from None
     jobs_from = "--jobs" if jobs else ENV_JOBS
     if client_id is None and environ.get(ENV_CLIENT_ID):
         try:
@@ -93,61 +82,6 @@ def resolve_cluster(
     if not 0 <= client_id < num_clients:
         raise ClusterError(f"--client-id must be in 0..{num_clients - 1}, got {client_id}")
     return Cluster(num_clients, client_id, job_list if num_clients > 1 else ())
-
-
-def export_cluster_env(num_clients: int, client_id: int, jobs: Sequence[str] | str | None) -> None:
-    """Set the DTENSOR_* variables DTensor reads when it initializes (before any TF op).
-
-    With one client the variables are removed, so DTensor runs in local mode; a stale
-    DTENSOR_JOBS listing other clients would otherwise make it wait for them.
-    """
-    if num_clients == 1:
-        stale = os.environ.get(ENV_JOBS)
-        if stale and len(parse_jobs(stale, ENV_JOBS)) > 1:
-            raise ClusterError(
-                f"{ENV_JOBS}={stale!r} lists several clients but --num-clients is 1; "
-                f"pass --num-clients/--client-id or unset {ENV_JOBS}"
-            )
-        for name in (ENV_JOBS, ENV_CLIENT_ID):
-            os.environ.pop(name, None)
-        return
-    if jobs is None:
-        jobs = os.environ.get(ENV_JOBS, "")
-    job_list = parse_jobs(jobs) if isinstance(jobs, str) else tuple(jobs)
-    if len(job_list) != num_clients:
-        raise ClusterError(
-            f"--jobs lists {len(job_list)} client(s) but --num-clients is {num_clients}; they must match"
-        )
-    os.environ[ENV_JOBS] = ",".join(job_list)
-    os.environ[ENV_CLIENT_ID] = str(client_id)
-    os.environ[ENV_JOB_NAME] = os.environ.get(ENV_JOB_NAME) or JOB_NAME
-
-
-def check_client_mesh(dims: Sequence[tuple[str, int]], devices: int, num_clients: int) -> None:
-    """Can `num_clients` clients share a mesh of `dims` over `devices` global devices?
-
-    `create_distributed_mesh` gives client k the k-th contiguous block of devices (row-major), and
-    each client feeds its own rows of every batch, so every batch replica must sit on one client:
-    a leading `batch` dimension (or only size-1 dimensions before it) divisible by the client count.
-    """
-    if num_clients == 1:
-        return
-    if devices % num_clients:
-        raise ClusterError(
-            f"--devices {devices} (the global device count) does not divide among {num_clients} clients"
-        )
-    names = [name for name, _ in dims]
-    whole_replicas = (
-        "batch" in names
-        and all(size == 1 for _, size in dims[: names.index("batch")])
-        and dict(dims)["batch"] % num_clients == 0
-    )
-    if not whole_replicas:
-        mesh = ",".join(f"{name}={size}" for name, size in dims)
-        raise ClusterError(
-            f"--mesh {mesh} on {num_clients} clients: each client feeds whole batch replicas, so the "
-            f"mesh needs a leading 'batch' dimension divisible by {num_clients}"
-        )
 
 
 # -- the local launcher ---------------------------------------------------------------------------
