@@ -7,8 +7,6 @@ training and the plain-variable model written by export compute exactly the same
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Mapping
 
@@ -18,56 +16,15 @@ from tensorflow.experimental import dtensor
 
 from common.classes import CLASS_NAMES
 from common.mesh import ModelLayouts
+from common.model_config import NUM_CLASSES, ModelConfig
+from common.run_dir import MODEL_FILE, checkpoint_path
 
-NUM_CLASSES = len(CLASS_NAMES)
+__all__ = ["CLASS_NAMES", "NUM_CLASSES", "ModelConfig", "DTensorMLP", "mlp_forward", "initial_values", "restore_model"]
 
 PARAMETERS = ("dense1_kernel", "dense1_bias", "bn_gamma", "bn_beta", "dense2_kernel", "dense2_bias")
 """Trainable variables, in the order gradients and optimizer slots use."""
 STATISTICS = ("bn_moving_mean", "bn_moving_variance")
 """BatchNorm's moving statistics: updated in training, used (alone) at inference."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Everything needed to rebuild the model; saved beside the checkpoint as model.json."""
-
-    max_tokens: int = 1200
-    """TF-IDF vocabulary size = input width (fixed: pad_to_max_tokens)."""
-    hidden: int = 64
-    """Units of the hidden Dense layer."""
-    bn_momentum: float = 0.9
-    """Moving-statistics momentum of BatchNorm (Keras uses 0.99; small corpora want faster)."""
-    bn_epsilon: float = 1e-3
-    """Added to the variance before the square root."""
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 2:
-            raise ValueError(f"max_tokens must be at least 2, got {self.max_tokens}")
-        if self.hidden < 1:
-            raise ValueError(f"hidden must be at least 1, got {self.hidden}")
-        if not 0.0 <= self.bn_momentum < 1.0:
-            raise ValueError(f"bn_momentum must be in [0, 1), got {self.bn_momentum}")
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> "ModelConfig":
-        values = json.loads(path.read_text())
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {
-            "dense1_kernel": (self.max_tokens, self.hidden),
-            "dense1_bias": (self.hidden,),
-            "bn_gamma": (self.hidden,),
-            "bn_beta": (self.hidden,),
-            "bn_moving_mean": (self.hidden,),
-            "bn_moving_variance": (self.hidden,),
-            "dense2_kernel": (self.hidden, NUM_CLASSES),
-            "dense2_bias": (NUM_CLASSES,),
-        }
 
 
 def initial_values(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
@@ -95,9 +52,14 @@ def initial_values(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     }
 
 
-def hidden_activations(params: Mapping[str, tf.Tensor], x: tf.Tensor) -> tf.Tensor:
-    """The first Dense layer with its ReLU."""
-    return tf.nn.relu(tf.matmul(x, params["dense1_kernel"]) + params["dense1_bias"])
+def hidden_activations(params: Mapping[str, tf.Tensor], x: tf.Tensor | tf.SparseTensor) -> tf.Tensor:
+    """The first Dense layer with its ReLU. `x` may be sparse (serving: a review touches a few
+    hundred of the vocabulary's n-grams) or dense (training batches on a mesh)."""
+    if isinstance(x, tf.SparseTensor):
+        product = tf.sparse.sparse_dense_matmul(x, params["dense1_kernel"])
+    else:
+        product = tf.matmul(x, params["dense1_kernel"])
+    return tf.nn.relu(product + params["dense1_bias"])
 
 
 def mlp_head(
@@ -107,10 +69,15 @@ def mlp_head(
     variance: tf.Tensor,
     *,
     epsilon: float,
+    dropout: float = 0.0,
+    seed: tf.Tensor | None = None,
 ) -> tf.Tensor:
-    """BatchNorm with the given statistics, then the output Dense layer: the logits."""
+    """BatchNorm with the given statistics, dropout (training only: `dropout` > 0 with a
+    stateless `seed` of shape [2]), then the output Dense layer: the logits."""
     normalized = (hidden - mean) * tf.math.rsqrt(variance + epsilon)
     normalized = normalized * params["bn_gamma"] + params["bn_beta"]
+    if dropout:
+        normalized = tf.nn.experimental.stateless_dropout(normalized, rate=dropout, seed=seed)
     return tf.matmul(normalized, params["dense2_kernel"]) + params["dense2_bias"]
 
 
@@ -178,7 +145,10 @@ class DTensorMLP(tf.Module):
     def params(self) -> dict[str, tf.Variable]:
         return {name: getattr(self, name) for name in PARAMETERS + STATISTICS}
 
-    def __call__(self, x: tf.Tensor, training: bool = False) -> tf.Tensor:
+    def __call__(self, x: tf.Tensor, training: bool = False, dropout: float = 0.0,
+                 seed: tf.Tensor | None = None) -> tf.Tensor:
+        """Logits. Training normalises with the batch's statistics (updating the moving ones) and
+        applies `dropout` with the stateless `seed`; inference uses the moving statistics only."""
         params = self.params()
         if not training:
             return mlp_forward(params, x, epsilon=self.config.bn_epsilon)
@@ -189,7 +159,7 @@ class DTensorMLP(tf.Module):
         self.bn_moving_variance.assign(
             momentum * self.bn_moving_variance + (1.0 - momentum) * variance
         )
-        return mlp_head(params, hidden, mean, variance, epsilon=self.config.bn_epsilon)
+        return mlp_head(params, hidden, mean, variance, epsilon=self.config.bn_epsilon, dropout=dropout, seed=seed)
 
     def numpy_weights(self) -> dict[str, np.ndarray]:
         """Global (unsharded) values of every variable, gathered to the host."""
@@ -199,3 +169,13 @@ class DTensorMLP(tf.Module):
             replicated = dtensor.relayout(value, dtensor.Layout.replicated(self.mesh, value.shape.rank))
             out[name] = dtensor.unpack(replicated)[0].numpy()
         return out
+
+
+def restore_model(run_dir: Path, mesh: dtensor.Mesh, checkpoint: str | None = "best") -> DTensorMLP:
+    """Rebuild the model from a run directory and restore a checkpoint onto `mesh`: the best one,
+    `latest`, or one by name (`ckpt-40`). Checkpoints restore exactly on any mesh."""
+    run_dir = Path(run_dir)
+    path = checkpoint_path(run_dir, checkpoint)
+    model = DTensorMLP(ModelConfig.load(run_dir / MODEL_FILE), mesh)
+    tf.train.Checkpoint(model=model).restore(path).expect_partial()
+    return model

@@ -1,71 +1,186 @@
-"""The TF-IDF TextVectorization shared by training (adapt) and export (rebuild from file).
+"""Text -> TF-IDF features, the same in training (per batch) and in the exported model.
 
-The vectorizer stays on the host: its IDF weights are regular tensors, and mixing them with
-DVariables inside one tf.function fails. The vocabulary and IDF weights are saved beside the
-checkpoint so that resume and export use exactly the vocabulary the weights were trained on.
+One TensorFlow module does both: `tokens` (lowercase, `<br />` to a space, punctuation stripped,
+whitespace split, 1..n-grams) and `sparse` / `dense` (counts of vocabulary n-grams -> optional
+sublinear tf `1 + ln(count)` -> times idf -> optional L2 row normalisation). The exported
+SavedModel contains this module, so served text is cleaned and weighted exactly like training text.
+
+The vocabulary is built by streaming the training texts in chunks and counting n-grams
+(`build_vocabulary`): no examples x vocabulary array ever exists, here or in the input pipeline,
+which vectorizes one batch at a time. Its width is the number of n-grams kept (at most
+`max_tokens`), rounded up to a multiple of 8 and of the mesh's feature dimension, so it can be
+sharded over the mesh the run started on.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 VOCABULARY_FILE = "vocabulary.json"
+FORMAT = 2
+WIDTH_MULTIPLE = 8
+
+_BREAK = r"<[bB][rR]\s*/?>"  # IMDB keeps the site's line breaks as HTML
+_APOSTROPHE = r"'"  # don't -> dont (one token)
+_PUNCTUATION = r'[!"#$%&()*+,\-./:;<=>?@\[\\\]^_`{|}~]'  # the rest separates words
 
 
-def _layer(max_tokens: int, **kwargs) -> keras.layers.TextVectorization:
-    return keras.layers.TextVectorization(
-        max_tokens=max_tokens, output_mode="tf_idf", pad_to_max_tokens=True, **kwargs
-    )
+@dataclass(frozen=True)
+class VectorizerSettings:
+    """How text becomes features (saved in vocabulary.json with the vocabulary)."""
+
+    ngrams: int = 2
+    """Longest n-gram: 1 unigrams only, 2 unigrams and bigrams, ..."""
+    sublinear_tf: bool = True
+    """Use 1 + ln(count) instead of the raw count (a word said ten times is not ten times the evidence)."""
+    normalize: bool = True
+    """Scale every row to unit L2 norm (long and short reviews weigh the same)."""
+    min_df: int = 2
+    """Keep n-grams that occur in at least this many training texts."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ngrams <= 5:
+            raise ValueError(f"--ngrams must be in 1..5, got {self.ngrams}")
+        if self.min_df < 1:
+            raise ValueError(f"--min-df must be at least 1, got {self.min_df}")
 
 
-def adapt_vectorizer(texts: Sequence[str], max_tokens: int) -> keras.layers.TextVectorization:
-    """Learn the vocabulary and IDF weights from the training texts."""
-    layer = _layer(max_tokens)
-    layer.adapt(tf.data.Dataset.from_tensor_slices(list(texts)).batch(1024))
-    return layer
+def standardize(texts: tf.Tensor) -> tf.Tensor:
+    texts = tf.strings.lower(texts, encoding="utf-8")
+    texts = tf.strings.regex_replace(texts, _BREAK, " ")
+    texts = tf.strings.regex_replace(texts, _APOSTROPHE, "")
+    return tf.strings.regex_replace(texts, _PUNCTUATION, " ")
 
 
-def vectorizer_state(layer: keras.layers.TextVectorization) -> dict:
-    vocabulary = [str(token) for token in layer.get_vocabulary()]
-    idf = np.asarray(layer._lookup_layer.idf_weights_const)[: len(vocabulary)]  # noqa: SLF001
-    return {"max_tokens": int(layer._max_tokens), "vocabulary": vocabulary, "idf": idf.tolist()}  # noqa: SLF001
+def tokens(texts: tf.Tensor, ngrams: int) -> tf.RaggedTensor:
+    """Every 1..n-gram of each text, n-grams joined by single spaces: [batch, (tokens)]."""
+    words = tf.strings.split(standardize(texts))
+    if ngrams == 1:
+        return words
+    return tf.strings.ngrams(words, ngram_width=list(range(1, ngrams + 1)), separator=" ")
 
 
-def save_vectorizer(layer: keras.layers.TextVectorization, run_dir: Path) -> Path:
+class TfIdf(tf.Module):
+    """The fitted vectorizer: vocabulary lookup, idf weights, settings. Inputs are UTF-8 strings."""
+
+    def __init__(self, vocabulary: Sequence[str], idf: np.ndarray, settings: VectorizerSettings, width: int) -> None:
+        super().__init__(name="tfidf")
+        if len(vocabulary) > width or len(idf) != len(vocabulary):
+            raise ValueError(f"{len(vocabulary)} tokens, {len(idf)} idf weights, width {width}: they do not fit")
+        # A plain list, not tracked by tf.Module (the SavedModel holds the lookup table instead).
+        object.__setattr__(self, "vocabulary", list(vocabulary))
+        self.settings = settings
+        self.width = width
+        keys = tf.constant(self.vocabulary if self.vocabulary else [""], tf.string)
+        values = tf.range(tf.size(keys, out_type=tf.int64), dtype=tf.int64)
+        self.table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(keys, values), default_value=-1)
+        padded = np.zeros(width, np.float32)
+        padded[: len(idf)] = idf
+        self.idf = tf.constant(padded)
+
+    def sparse(self, texts: tf.Tensor) -> tf.SparseTensor:
+        """TF-IDF rows as a SparseTensor [batch, width] (float32)."""
+        ids = self.table.lookup(tokens(texts, self.settings.ngrams))
+        ids = tf.ragged.boolean_mask(ids, ids >= 0)  # n-grams outside the vocabulary are dropped
+        counts = tf.sparse.reorder(tf.sparse.bincount(ids, minlength=self.width, maxlength=self.width, axis=-1))
+        # float64 until the end: vectorized log/rsqrt round differently in SIMD lanes and in the
+        # scalar tail, so in float32 a review's features would depend on its place in the batch;
+        # float64's differences vanish when rounding to float32 (served answers stay bit-identical).
+        values = tf.cast(counts.values, tf.float64)
+        if self.settings.sublinear_tf:
+            values = 1.0 + tf.math.log(values)
+        values *= tf.cast(tf.gather(self.idf, counts.indices[:, 1]), tf.float64)
+        if self.settings.normalize:
+            rows = counts.indices[:, 0]
+            norms = tf.math.segment_sum(tf.square(values), rows)  # rows are sorted
+            values *= tf.gather(tf.math.rsqrt(tf.maximum(norms, 1e-24)), rows)
+        values = tf.cast(values, tf.float32)
+        return tf.SparseTensor(counts.indices, values, counts.dense_shape)
+
+    def dense(self, texts: tf.Tensor) -> tf.Tensor:
+        """The same rows as a dense [batch, width] float32 tensor (one batch at a time only)."""
+        return tf.sparse.to_dense(self.sparse(texts))
+
+    def state(self) -> dict:
+        return {"format": FORMAT, "width": self.width, "ngrams": self.settings.ngrams,
+                "sublinear_tf": self.settings.sublinear_tf, "normalize": self.settings.normalize,
+                "min_df": self.settings.min_df, "vocabulary": self.vocabulary,
+                "idf": np.asarray(self.idf)[: len(self.vocabulary)].tolist()}
+
+
+def round_width(size: int, multiple: int = WIDTH_MULTIPLE) -> int:
+    return max(multiple, -(-size // multiple) * multiple)
+
+
+def build_vocabulary(
+    texts: Sequence[str],
+    max_tokens: int,
+    settings: VectorizerSettings,
+    *,
+    multiple: int = WIDTH_MULTIPLE,
+    chunk: int = 512,
+    progress: Callable[[int], None] | None = None,
+) -> TfIdf:
+    """Count n-grams over the training texts, chunk by chunk, and keep the `max_tokens` most
+    frequent (ties broken alphabetically) that occur in at least `min_df` texts. idf is
+    scikit-learn's smoothed ln((1 + n) / (1 + df)) + 1. The width is the kept count rounded up to
+    a multiple of `multiple` (so the mesh's feature dimension divides it). `progress(k)` is told
+    of every k texts done."""
+    term_counts: collections.Counter[bytes] = collections.Counter()
+    doc_counts: collections.Counter[bytes] = collections.Counter()
+    for start in range(0, len(texts), chunk):
+        batch = tokens(tf.constant(list(texts[start : start + chunk])), settings.ngrams)
+        for row in _rows(batch):
+            term_counts.update(row)
+            doc_counts.update(set(row))
+        if progress is not None:
+            progress(min(chunk, len(texts) - start))
+    kept = [(-count, token) for token, count in term_counts.items() if doc_counts[token] >= settings.min_df]
+    kept.sort()
+    chosen = [token for _, token in kept[:max_tokens]]
+    n = len(texts)
+    idf = np.array([math.log((1 + n) / (1 + doc_counts[t])) + 1.0 for t in chosen], np.float32)
+    return TfIdf([t.decode("utf-8") for t in chosen], idf, settings, round_width(len(chosen), multiple))
+
+
+def _rows(ragged: tf.RaggedTensor) -> Iterable[list[bytes]]:
+    values = ragged.flat_values.numpy().tolist()
+    splits = ragged.row_splits.numpy().tolist()
+    for a, b in zip(splits[:-1], splits[1:]):
+        yield values[a:b]
+
+
+def save_vectorizer(vectorizer: TfIdf, run_dir: Path) -> Path:
     """Write vocabulary.json atomically (temp file + rename)."""
-    path = run_dir / VOCABULARY_FILE
+    path = Path(run_dir) / VOCABULARY_FILE
     fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".vocabulary.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(vectorizer_state(layer), handle, ensure_ascii=False)
+        json.dump(vectorizer.state(), handle, ensure_ascii=False)
     os.replace(tmp, path)
     return path
 
 
-def load_vectorizer(run_dir: Path) -> keras.layers.TextVectorization:
-    """Rebuild the adapted vectorizer from vocabulary.json."""
-    path = run_dir / VOCABULARY_FILE
-    state = json.loads(path.read_text(encoding="utf-8"))
-    return _layer(
-        state["max_tokens"],
-        vocabulary=state["vocabulary"],
-        idf_weights=np.asarray(state["idf"], np.float32),
-    )
+def load_vectorizer(run_dir: Path) -> TfIdf:
+    """Rebuild the fitted vectorizer from vocabulary.json."""
+    state = json.loads((Path(run_dir) / VOCABULARY_FILE).read_text(encoding="utf-8"))
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{Path(run_dir) / VOCABULARY_FILE} was written by an older version; train a new run")
+    settings = VectorizerSettings(ngrams=state["ngrams"], sublinear_tf=state["sublinear_tf"],
+                                  normalize=state["normalize"], min_df=state["min_df"])
+    return TfIdf(state["vocabulary"], np.asarray(state["idf"], np.float32), settings, state["width"])
 
 
-def vectorize(layer: keras.layers.TextVectorization, texts: Sequence[str], batch: int = 4096) -> np.ndarray:
-    """TF-IDF rows for `texts` as one float32 array [len(texts), max_tokens]."""
-    parts = [
-        np.asarray(layer(tf.constant(list(texts[i : i + batch]))), np.float32)
-        for i in range(0, len(texts), batch)
-    ]
-    if not parts:
-        return np.zeros((0, int(layer._max_tokens)), np.float32)  # noqa: SLF001
-    return np.concatenate(parts)
+def vectorize(vectorizer: TfIdf, texts: Sequence[str], batch: int = 1024) -> np.ndarray:
+    """Dense TF-IDF rows for a few texts (tests, inspection); training never calls this on a corpus."""
+    parts = [vectorizer.dense(tf.constant(list(texts[i : i + batch]))).numpy() for i in range(0, len(texts), batch)]
+    return np.concatenate(parts) if parts else np.zeros((0, vectorizer.width), np.float32)

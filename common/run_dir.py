@@ -1,0 +1,157 @@
+"""A training run's directory, shared by training (writes it) and export (reads it).
+
+    runs/NAME/
+      train_config.json  model.json  vocabulary.json   what was trained, and how
+      metrics.jsonl                                     one line per finished epoch
+      best.json                                         the checkpoint with the best validation score
+      checkpoints/ckpt-<step>.index, .data-*            sharded DTensor checkpoints (+ TF's state file)
+      tensorboard/                                      event files for `tensorboard --logdir runs/`
+
+Every file is written atomically (temp file + rename), so a killed run never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.json"
+CONFIG_FILE = "train_config.json"
+METRICS_FILE = "metrics.jsonl"
+BEST_FILE = "best.json"
+CHECKPOINT_DIR = "checkpoints"
+TENSORBOARD_DIR = "tensorboard"
+TMP_PREFIX = ".tmp-"
+"""Exports write `MODEL_DIR/.tmp-<version>-<pid>` and rename it when complete."""
+
+_CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
+
+
+class RunDirError(RuntimeError):
+    """A run directory that cannot be used as asked; the message names the flag or file."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, value: Any) -> None:
+    atomic_write_text(path, json.dumps(value, indent=2) + "\n")
+
+
+def checkpoint_prefix(run_dir: Path, step: int) -> str:
+    return str(Path(run_dir) / CHECKPOINT_DIR / f"ckpt-{step}")
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints on disk (an index file exists), ascending."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return []
+    steps = []
+    for path in directory.glob("ckpt-*.index"):
+        match = _CHECKPOINT_NAME.match(path.name[: -len(".index")])
+        if match:
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def read_best(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / BEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
+
+
+def checkpoint_path(run_dir: Path, checkpoint: str | None = "best") -> str:
+    """The checkpoint prefix to restore: `best` (the best validation score; the latest when the run
+    kept no validation split), `latest`, or a name such as `ckpt-40`. RunDirError if absent."""
+    run_dir = Path(run_dir)
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        raise RunDirError(f"no checkpoint in {run_dir / CHECKPOINT_DIR}")
+    if checkpoint in (None, "best"):
+        best = read_best(run_dir)
+        if best is not None and Path(f"{run_dir / CHECKPOINT_DIR / best['checkpoint']}.index").is_file():
+            return str(run_dir / CHECKPOINT_DIR / best["checkpoint"])
+        checkpoint = "latest"
+    if checkpoint == "latest":
+        return checkpoint_prefix(run_dir, steps[-1])
+    prefix = run_dir / CHECKPOINT_DIR / checkpoint
+    if not Path(f"{prefix}.index").is_file():
+        names = ", ".join(f"ckpt-{s}" for s in steps[-5:])
+        raise RunDirError(f"checkpoint {checkpoint!r} not found in {run_dir / CHECKPOINT_DIR} (have: {names}, "
+                          "or best, latest)")
+    return str(prefix)
+
+
+def remove_checkpoint(run_dir: Path, step: int) -> None:
+    for path in (Path(run_dir) / CHECKPOINT_DIR).glob(f"ckpt-{step}.*"):
+        path.unlink(missing_ok=True)
+
+
+def clean_leftovers(directory: Path) -> list[Path]:
+    """Remove what killed runs or exports left behind: TensorFlow's `ckpt-*_temp` directories of a
+    sharded save that never finished, and export `.tmp-<version>-<pid>` directories whose process is
+    gone. Returns what was removed."""
+    removed = []
+    directory = Path(directory)
+    if not directory.is_dir():
+        return removed
+    for path in directory.iterdir():
+        stale = False
+        if path.is_dir() and path.name.startswith("ckpt-") and path.name.endswith("_temp"):
+            stale = True
+        elif path.is_dir() and path.name.startswith(TMP_PREFIX):
+            pid = path.name.rsplit("-", 1)[-1]
+            stale = not (pid.isdigit() and _alive(int(pid)))
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed leftovers of interrupted runs: %s", ", ".join(p.name for p in removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line from a crash mid-write (before files were written atomically)
+    return records
+
+
+def write_metrics(run_dir: Path, records: list[dict]) -> None:
+    """metrics.jsonl with exactly one line per epoch (the last record of each epoch wins)."""
+    by_epoch = {r["epoch"]: r for r in records}
+    atomic_write_text(Path(run_dir) / METRICS_FILE, "".join(json.dumps(by_epoch[e]) + "\n" for e in sorted(by_epoch)))

@@ -1,0 +1,85 @@
+"""The TF-IDF vectorizer shared by training and the exported model: cleaning, n-grams, vocabulary,
+weights, and bounded memory (the corpus is streamed, features exist one batch at a time)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from common import vectorizer as vec
+from common.vectorizer import VectorizerSettings, build_vocabulary, load_vectorizer, save_vectorizer, tokens
+
+TEXTS = ["A great film.<br /><br />Great acting, don't miss it!", "A dull film; dull plot.", "Great, GREAT fun",
+         "Élan and ÉCLAT: a film"]
+
+
+def test_cleaning_is_part_of_the_vectorizer():
+    got = [[t.decode() for t in row] for row in tokens(tf.constant(TEXTS[:1] + TEXTS[3:]), 1).to_list()]
+    assert got == [["a", "great", "film", "great", "acting", "dont", "miss", "it"],
+                   ["élan", "and", "éclat", "a", "film"]]  # <br /> is a space, case folded beyond ASCII
+
+
+def test_ngrams_change_the_vocabulary():
+    unigrams = build_vocabulary(TEXTS, 1000, VectorizerSettings(ngrams=1, min_df=1))
+    bigrams = build_vocabulary(TEXTS, 1000, VectorizerSettings(ngrams=2, min_df=1))
+    assert "great film" in bigrams.vocabulary and "great film" not in unigrams.vocabulary
+    assert set(unigrams.vocabulary) < set(bigrams.vocabulary)
+    assert all(" " not in t for t in unigrams.vocabulary)
+
+
+def test_vocabulary_order_min_df_width_and_idf():
+    v = build_vocabulary(TEXTS, 3, VectorizerSettings(ngrams=1, min_df=2))
+    assert v.vocabulary == ["great", "a", "film"]  # most frequent first, ties alphabetical; "dull" is in one text
+    assert v.width == 8  # rounded up to a multiple of 8
+    n, df = len(TEXTS), {"great": 2, "film": 3, "a": 3}
+    np.testing.assert_allclose(np.asarray(v.idf)[:3], [math.log((1 + n) / (1 + df[t])) + 1 for t in v.vocabulary],
+                               rtol=1e-6)
+    assert np.asarray(v.idf)[3:].tolist() == [0.0] * 5
+    assert build_vocabulary(TEXTS, 3, VectorizerSettings(ngrams=1, min_df=2), multiple=24).width == 24
+
+
+def test_weights_sublinear_and_normalised():
+    plain = build_vocabulary(TEXTS, 100, VectorizerSettings(ngrams=1, min_df=1, sublinear_tf=False, normalize=False))
+    row = vec.vectorize(plain, ["great great great film"])[0]
+    great, film = plain.vocabulary.index("great"), plain.vocabulary.index("film")
+    idf = np.asarray(plain.idf)
+    assert row[great] == pytest.approx(3 * idf[great]) and row[film] == pytest.approx(idf[film])
+    sub = build_vocabulary(TEXTS, 100, VectorizerSettings(ngrams=1, min_df=1, sublinear_tf=True, normalize=True))
+    row = vec.vectorize(sub, ["great great great film"])[0]
+    expected = np.array([(1 + math.log(3)) * idf[great], idf[film]])
+    expected /= np.linalg.norm(expected)
+    assert (row[great], row[film]) == pytest.approx(tuple(expected))
+    assert np.linalg.norm(row) == pytest.approx(1.0)
+    assert not vec.vectorize(sub, ["zzz qqq"]).any()  # nothing known: an all-zero row, no NaN
+
+
+def test_sparse_and_dense_agree_and_save_load_round_trips(tmp_path):
+    v = build_vocabulary(TEXTS, 100, VectorizerSettings())
+    dense = v.dense(tf.constant(TEXTS)).numpy()
+    np.testing.assert_array_equal(tf.sparse.to_dense(v.sparse(tf.constant(TEXTS))).numpy(), dense)
+    save_vectorizer(v, tmp_path)
+    again = load_vectorizer(tmp_path)
+    assert (again.vocabulary, again.width, again.settings) == (v.vocabulary, v.width, v.settings)
+    np.testing.assert_array_equal(again.dense(tf.constant(TEXTS)).numpy(), dense)
+
+
+def test_a_huge_max_tokens_on_a_small_corpus_is_as_wide_as_its_vocabulary_and_streamed(monkeypatch):
+    """No examples x vocabulary array: the corpus is tokenised chunk by chunk and the width is what
+    the corpus holds, not --max-tokens."""
+    from train.data import load_data
+
+    texts = load_data(limit=600).train.texts
+    seen: list[int] = []
+    real_tokens = vec.tokens
+
+    def spy(batch, ngrams):  # noqa: ANN001
+        seen.append(int(batch.shape[0]))
+        return real_tokens(batch, ngrams)
+
+    monkeypatch.setattr(vec, "tokens", spy)
+    v = build_vocabulary(texts, 5_000_000, VectorizerSettings(ngrams=3, min_df=1), chunk=128)
+    assert max(seen) <= 128 and sum(seen) == len(texts)
+    assert len(v.vocabulary) < 100_000 and v.width == -(-len(v.vocabulary) // 8) * 8
