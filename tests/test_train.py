@@ -1,5 +1,5 @@
 """Training end to end on the bundled corpus: strategies, mesh-independent checkpoints, resume,
-interrupts, inference mode, and the errors a user meets first."""
+interrupts, model selection, inference mode, and the errors a user meets first."""
 
 from __future__ import annotations
 
@@ -17,43 +17,51 @@ import pytest
 import tensorflow as tf
 
 from common import mesh as meshlib
-from common.model import DTensorMLP, to_mesh
+from common.mesh_spec import MeshError, parse_mesh
+from common.model import DTensorMLP, restore_model, to_mesh
+from common.run_dir import BEST_FILE, CHECKPOINT_DIR, METRICS_FILE, checkpoint_steps
 from common.vectorizer import load_vectorizer, vectorize
 from train.config import TrainConfig
-from train.trainer import CHECKPOINT_DIR, METRICS_FILE, TrainingError, restore_model, to_host, train
+from train.state import to_host
+from train.trainer import TEST_FILE, TrainingError, train
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The whole bundled corpus and the default vocabulary, with a narrow model: one epoch in seconds.
+# The whole bundled corpus with the default vocabulary, a narrow model: an epoch in seconds.
 LEARN = dict(hidden=16, batch_size=64, epochs=1, learning_rate=3e-3, progress=False)
-# Mechanics (checkpoints, resume, errors) only: a capped corpus and a small vocabulary.
-TINY = dict(limit=1000, max_tokens=400, hidden=16, batch_size=32, epochs=2, progress=False, learning_rate=3e-3)
+# Mechanics (checkpoints, resume, errors) only: a capped corpus, small vocabulary, no dropout and
+# no validation split unless a test wants them.
+TINY = dict(limit=1000, max_tokens=400, hidden=16, batch_size=32, epochs=2, progress=False, learning_rate=3e-3,
+            dropout=0.0, validation_fraction=0.0, tensorboard=False)
 
 
 def mesh_of(spec: str):
-    dims = meshlib.parse_mesh(spec)
-    return meshlib.build_mesh(dims, "CPU")
+    return meshlib.build_mesh(parse_mesh(spec), "CPU")
 
 
-MESHES = ["batch=8", "batch=4,model=2", "batch=2,feature=2,model=2", "batch=1"]
+MESHES = ["feature=8", "batch=8", "batch=4,model=2", "batch=2,feature=2,model=2", "batch=1"]
 
 
-@pytest.mark.parametrize("strategy", ["data", "model", "spatial"])
+@pytest.mark.parametrize("strategy", ["feature", "data", "model", "spatial"])
 def test_each_strategy_learns_the_bundled_corpus(tmp_path: Path, strategy: str) -> None:
     result = train(TrainConfig(run_dir=str(tmp_path), strategy=strategy, steps_per_call=10, **LEARN))
-    assert result.test_accuracy > 0.8, result.history
+    assert result.test_accuracy > 0.8 and result.validation_accuracy > 0.75, result.history
     lines = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
-    assert [line["epoch"] for line in lines] == [1]
-    assert lines[-1]["test_accuracy"] == pytest.approx(result.test_accuracy)
-    for name in ("model.json", "vocabulary.json", "train_config.json"):
+    assert [line["epoch"] for line in lines] == [1] and lines[0]["validation_accuracy"] == result.validation_accuracy
+    test = json.loads((tmp_path / TEST_FILE).read_text())
+    assert (test["checkpoint"], test["test_accuracy"]) == (result.best_checkpoint, result.test_accuracy)
+    for name in ("model.json", "vocabulary.json", "train_config.json", BEST_FILE):
         assert (tmp_path / name).is_file()
 
 
 def test_every_parameter_changes_after_training(tmp_path: Path) -> None:
     config = TrainConfig(run_dir=str(tmp_path), max_steps=3, steps_per_call=1, **TINY)
     mesh = mesh_of("batch=4,model=2")
-    initial = DTensorMLP(config.model_config(), mesh, seed=config.seed).numpy_weights()
     train(config, mesh=mesh)
+    width = json.loads((tmp_path / "model.json").read_text())["max_tokens"]
+    initial = DTensorMLP(config.model_config(width), mesh, seed=config.seed).numpy_weights()
     trained = restore_model(tmp_path, mesh).numpy_weights()
     for name, before in initial.items():
         assert not np.array_equal(before, trained[name]), f"{name} did not change"
@@ -99,34 +107,87 @@ def test_single_review_prediction_does_not_depend_on_its_batch(model_parallel_ru
 
 
 def test_resume_continues_exactly_where_it_stopped(tmp_path: Path) -> None:
-    base = dict(TINY, epochs=2, steps_per_call=4)
+    """Stopped part-way through the first epoch and resumed: the same weights, and the epoch's
+    metrics line covers the whole epoch (its loss is the mean over all its steps)."""
+    base = dict(TINY, epochs=2, steps_per_call=4, dropout=0.5, validation_fraction=0.1)
     straight = train(TrainConfig(run_dir=str(tmp_path / "straight"), **base))
-    # Stop part-way through the first epoch, then resume in a fresh call with the same config.
     first = train(TrainConfig(run_dir=str(tmp_path / "resumed"), max_steps=13, **base))
     assert first.step == 13 and first.epoch == 0
     resumed = train(TrainConfig(run_dir=str(tmp_path / "resumed"), **base))
     assert resumed.step == straight.step
     mesh = mesh_of("batch=8")
-    a = restore_model(tmp_path / "straight", mesh).numpy_weights()
-    b = restore_model(tmp_path / "resumed", mesh).numpy_weights()
+    a = restore_model(tmp_path / "straight", mesh, "latest").numpy_weights()
+    b = restore_model(tmp_path / "resumed", mesh, "latest").numpy_weights()
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6, err_msg=name)
     assert resumed.test_accuracy == pytest.approx(straight.test_accuracy, abs=1e-3)
+    lines = {name: [json.loads(x) for x in (tmp_path / name / METRICS_FILE).read_text().splitlines()]
+             for name in ("straight", "resumed")}
+    assert [r["epoch"] for r in lines["resumed"]] == [1, 2]
+    for got, want in zip(lines["resumed"], lines["straight"]):
+        for key in ("step", "train_loss", "train_accuracy", "validation_loss", "validation_accuracy"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4), key
 
 
-def test_resume_on_a_different_mesh(tmp_path: Path) -> None:
-    config = TrainConfig(run_dir=str(tmp_path), mesh="batch=8", max_steps=6, **TINY)
-    train(config)
-    saved = restore_model(tmp_path, mesh_of("batch=8")).numpy_weights()
-    result = train(replace(config, mesh="batch=2,feature=2,model=2", max_steps=12))
-    assert result.step == 12
-    after = restore_model(tmp_path, mesh_of("batch=1")).numpy_weights()
-    assert any(not np.allclose(after[k], saved[k]) for k in saved)
+def test_a_crash_between_the_metrics_line_and_the_checkpoint_leaves_one_line_per_epoch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from train.checkpoints import CheckpointStore
+
+    config = TrainConfig(run_dir=str(tmp_path), **dict(TINY, epochs=2, validation_fraction=0.1))
+    real_save = CheckpointStore.save
+
+    def crash_at_the_end_of_epoch_1(self, step, best=None):  # noqa: ANN001
+        if json.loads((tmp_path / METRICS_FILE).read_text().splitlines()[-1])["epoch"] == 1:
+            raise KeyboardInterrupt("killed after the metrics line, before the checkpoint")
+        return real_save(self, step, best)
+
+    monkeypatch.setattr(CheckpointStore, "save", crash_at_the_end_of_epoch_1)
+    with pytest.raises(KeyboardInterrupt):
+        train(config)
+    assert checkpoint_steps(tmp_path) == [] and len((tmp_path / METRICS_FILE).read_text().splitlines()) == 1
+    (tmp_path / CHECKPOINT_DIR / "ckpt-7_temp").mkdir(parents=True)  # what a killed sharded save leaves
+    monkeypatch.setattr(CheckpointStore, "save", real_save)
+    train(replace(config, epochs=1))  # starts over (no checkpoint): epoch 1 again
+    result = train(config)
+    epochs = [json.loads(x)["epoch"] for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert epochs == [1, 2] and result.epoch == 2
+    assert not (tmp_path / CHECKPOINT_DIR / "ckpt-7_temp").exists()  # leftovers removed at the next start
+
+
+def test_the_best_checkpoint_survives_keep_n_and_is_what_export_takes(tmp_path: Path) -> None:
+    from export import ExportConfig, export_model
+
+    run_dir = tmp_path / "run"
+    result = train(TrainConfig(run_dir=str(run_dir), **dict(TINY, epochs=4, patience=0, keep_checkpoints=1,
+                                                            validation_fraction=0.2, learning_rate=0.05)))
+    lines = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines()]
+    best_line = max(lines, key=lambda r: (r["validation_accuracy"], -r["validation_loss"]))
+    best = json.loads((run_dir / BEST_FILE).read_text())
+    assert best["checkpoint"] == f"ckpt-{best_line['step']}" == result.best_checkpoint
+    assert best["validation_accuracy"] == best_line["validation_accuracy"]
+    assert [r["best"] for r in lines].count(True) >= 1
+    steps = checkpoint_steps(run_dir)
+    assert steps == sorted({best_line["step"], lines[-1]["step"]})  # keep 1 latest + the best
+    exported = export_model(ExportConfig(checkpoint_dir=str(run_dir), model_dir=str(tmp_path / "m")))
+    assert Path(exported.checkpoint).name == best["checkpoint"]
+    assert exported.validation_accuracy == best["validation_accuracy"]
+    assert exported.test_accuracy == result.test_accuracy
+    latest = export_model(ExportConfig(checkpoint_dir=str(run_dir), model_dir=str(tmp_path / "m"),
+                                       checkpoint="latest"))
+    assert Path(latest.checkpoint).name == f"ckpt-{lines[-1]['step']}"
+
+
+def test_patience_stops_early(tmp_path: Path) -> None:
+    result = train(TrainConfig(run_dir=str(tmp_path), **dict(TINY, epochs=10, patience=1, validation_fraction=0.2,
+                                                             learning_rate=0.05)))
+    lines = [json.loads(x) for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert result.epoch == len(lines) < 10
+    assert not lines[-1]["best"] and lines[-2]["best"]  # stopped after one epoch without improvement
 
 
 def test_batch_size_must_divide_by_the_batch_dimension(tmp_path: Path) -> None:
-    with pytest.raises(meshlib.MeshError, match=r"--batch-size 30 does not divide by the mesh's 'batch' dimension \(8\)"):
-        train(TrainConfig(run_dir=str(tmp_path), **dict(TINY, batch_size=30)))
+    with pytest.raises(MeshError, match=r"--batch-size 30 does not divide by the mesh's 'batch' dimension \(8\)"):
+        train(TrainConfig(run_dir=str(tmp_path), strategy="data", **dict(TINY, batch_size=30)))
     assert not (tmp_path / CHECKPOINT_DIR).exists()
 
 
@@ -139,6 +200,19 @@ def test_changed_model_shape_on_resume_is_refused(model_parallel_run: Path, tmp_
         train(TrainConfig(run_dir=str(run_dir), **dict(TINY, hidden=32)))
 
 
+def test_tensorboard_scalars_from_a_real_run(tmp_path: Path) -> None:
+    train(TrainConfig(run_dir=str(tmp_path), **dict(TINY, epochs=2, validation_fraction=0.1, tensorboard=True)))
+    tags: dict[str, list[float]] = {}
+    for events in (tmp_path / "tensorboard").glob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(events)):
+            for value in event.summary.value:
+                tags.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
+    for tag, count in [("train/loss", 2), ("train/accuracy", 2), ("validation/loss", 2), ("validation/accuracy", 2),
+                       ("learning_rate", 2), ("examples_per_second", 2), ("test/loss", 1), ("test/accuracy", 1)]:
+        assert len(tags.get(tag, [])) == count, (tag, sorted(tags))
+    assert tags["learning_rate"] == [pytest.approx(3e-3)] * 2
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -147,6 +221,8 @@ def test_changed_model_shape_on_resume_is_refused(model_parallel_run: Path, tmp_
         (["--strategy", "spatial", "--devices", "6"], "divisible by 4"),
         (["--data", "/nonexistent/reviews.csv"], "/nonexistent/reviews.csv"),
         (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--dropout", "1"], "--dropout must be in [0, 1)"),
+        (["--ngrams", "9"], "--ngrams must be in 1..5"),
     ],
 )
 def test_cli_reports_bad_input_clearly(tmp_path: Path, args: list[str], message: str) -> None:
@@ -164,7 +240,7 @@ def test_sigterm_mid_epoch_keeps_a_good_checkpoint_and_resume_finishes(tmp_path:
     cmd = [
         sys.executable, "-m", "train", "--run-dir", str(run_dir), "--no-progress", "--epochs", "2",
         "--max-tokens", "400", "--hidden", "16", "--batch-size", "32", "--steps-per-call", "5",
-        "--checkpoint-every", "20", "--limit", "2000",
+        "--checkpoint-every", "20", "--limit", "2000", "--validation-fraction", "0", "--no-tensorboard",
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -187,5 +263,5 @@ def test_sigterm_mid_epoch_keeps_a_good_checkpoint_and_resume_finishes(tmp_path:
 
     finished = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr
-    assert f"done: step {2 * steps_per_epoch}," in finished.stdout
+    assert f"done: step {2 * steps_per_epoch}, epoch 2;" in finished.stdout
     assert "resumed from" in finished.stderr

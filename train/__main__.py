@@ -15,8 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     from common.cli import add_dataclass_arguments, dataclass_from_args
     from train.config import TrainConfig
 
-    from common.mesh import resolve_mesh_dims
-    from train.launch import ClusterError, check_client_mesh, launch_local, resolve_cluster
+    from common.mesh_spec import check_client_mesh
+    from train.launch import ClusterError, launch_local, resolve_cluster
 
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
     add_dataclass_arguments(parser, TrainConfig)
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.set_defaults(num_clients=None, client_id=None, jobs=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # DTensor's start-up chatter
     if args.launch_local is not None:
         if args.launch_local < 1:
             parser.error(f"--launch-local must be at least 1, got {args.launch_local}")
@@ -40,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--launch-local sets --num-clients/--client-id/--jobs itself; leave them out")
         try:  # fail here, not N times in the clients
             config = dataclass_from_args(TrainConfig, args, num_clients=args.launch_local, client_id=0, jobs=None)
-            dims = resolve_mesh_dims(config.mesh, config.strategy, config.devices)
-            check_client_mesh(dims, config.devices, config.num_clients)
+            check_client_mesh(config.mesh_dims(), config.devices, config.num_clients)
         except ValueError as exc:
             parser.error(str(exc))
         return launch_local(args.launch_local, sys.argv[1:] if argv is None else argv)
@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, TrainingError, ValueError) as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2
+    validation = "" if result.validation_accuracy is None else f", validation accuracy {result.validation_accuracy:.4f}"
     print(
-        f"done: step {result.step}, epoch {result.epoch}, test accuracy {result.test_accuracy:.4f}, "
-        f"test loss {result.test_loss:.4f}; checkpoints in {result.run_dir}/checkpoints"
+        f"done: step {result.step}, epoch {result.epoch}; best checkpoint {result.best_checkpoint}{validation}, "
+        f"test accuracy {result.test_accuracy:.4f}, test loss {result.test_loss:.4f}; in {result.run_dir}"
     )
     return 0
 

@@ -1,4 +1,7 @@
-"""Training configuration: one frozen dataclass; `python -m train` flags are generated from it."""
+"""Training configuration: one frozen dataclass; `python -m train` flags are generated from it.
+
+TensorFlow-free, so `python -m train --help` and argument errors answer at once.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from common.cli import option
-from common.mesh import STRATEGIES
-from common.model import ModelConfig
+from common.mesh_spec import STRATEGIES, MeshDims, resolve_mesh_dims
+from common.model_config import ModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,33 +20,44 @@ class TrainConfig:
     data: str = option(
         "bundled",
         "training data: 'bundled' (offline demo corpus), an aclImdb directory or .tar.gz, "
-        "a .csv/.jsonl file (or 'train.csv,test.csv'), or tfds:imdb_reviews",
+        "a .csv/.jsonl file (or 'train.csv,test.csv'; .gz read transparently), or tfds:imdb_reviews",
     )
     text_field: str = option("text", "text column of CSV/JSONL data")
     label_field: str = option("label", "label column of CSV/JSONL data")
     test_fraction: float = option(0.2, "share of a single CSV/JSONL file held out for testing")
+    validation_fraction: float = option(
+        0.1, "share of the training data held out (per class, seeded) to pick the best epoch; 0: keep the last"
+    )
     limit: int | None = option(None, "use at most this many examples per split (quick runs)")
     run_dir: str = option("runs/default", "where checkpoints, vocabulary, config and metrics go")
 
-    max_tokens: int = option(1200, "TF-IDF vocabulary size (model input width)")
+    max_tokens: int = option(100_000, "most n-grams in the TF-IDF vocabulary (the model's input width)")
+    ngrams: int = option(2, "longest n-gram in the vocabulary: 1 words only, 2 words and word pairs")
+    sublinear_tf: bool = option(True, "weigh a repeated n-gram by 1 + ln(count) instead of count")
+    normalize: bool = option(True, "scale every review's TF-IDF row to unit length")
+    min_df: int = option(2, "keep n-grams found in at least this many training reviews")
     hidden: int = option(64, "hidden units")
+    dropout: float = option(0.5, "dropout rate on the hidden layer while training (0: none)")
     bn_momentum: float = option(0.9, "BatchNorm moving-statistics momentum")
 
     devices: int = option(8, "number of devices in the mesh (virtual CPUs, or GPUs when present)")
     device_type: Literal["auto", "CPU", "GPU"] = option("auto", "device type; auto uses GPUs when present")
     mesh: str | None = option(None, "mesh as NAME=SIZE,... e.g. batch=4,model=2 (dims: batch, feature, model)")
-    strategy: Literal["data", "model", "spatial"] | None = option(
+    strategy: Literal["feature", "data", "model", "spatial"] | None = option(
         None,
-        "shortcut for a mesh: data (batch=N), model (batch=N/2,model=2), "
-        "spatial (batch=N/4,feature=2,model=2); data when neither --mesh nor --strategy",
+        "shortcut for a mesh: feature (feature=N: the vocabulary side of the first layer sharded over "
+        "every device; the default), data (batch=N), model (batch=N/2,model=2), spatial "
+        "(batch=N/4,feature=2,model=2)",
     )
 
     optimizer: Literal["adam", "sgd"] = option("adam", "optimizer")
     learning_rate: float = option(1e-3, "learning rate")
+    weight_decay: float = option(0.0, "decoupled weight decay of the kernels, per step and unit learning rate (AdamW)")
     momentum: float = option(0.0, "SGD momentum (0 = plain SGD)")
-    epochs: int = option(3, "passes over the training split")
+    epochs: int = option(4, "most passes over the training split (fewer when --patience stops it)")
+    patience: int = option(1, "stop after this many epochs without a better validation score (0: never)")
     batch_size: int = option(64, "global batch size; must divide by the mesh's batch dimension")
-    seed: int = option(0, "seed for initial weights and data order")
+    seed: int = option(0, "seed for initial weights, dropout, the validation split and data order")
     max_steps: int | None = option(None, "stop after this many steps in total (for quick runs)")
     steps_per_call: int = option(
         20,
@@ -51,10 +65,11 @@ class TrainConfig:
         "interrupts are handled between calls)",
     )
 
-    keep_checkpoints: int = option(3, "checkpoints to keep")
+    keep_checkpoints: int = option(2, "latest checkpoints to keep (the best one is always kept too)")
     checkpoint_every: int = option(0, "also checkpoint every N steps within an epoch (0: end of epoch only)")
     resume: bool = option(True, "continue from the latest checkpoint in --run-dir if there is one")
-    progress: bool = option(True, "show a progress bar")
+    progress: bool = option(True, "show progress bars")
+    tensorboard: bool = option(True, "write TensorBoard event files to RUN_DIR/tensorboard")
 
     # Multi-client (DTensor's distributed runtime): one process per client.
     num_clients: int = option(1, "number of clients (processes) in a multi-client mesh")
@@ -62,19 +77,37 @@ class TrainConfig:
     jobs: str | None = option(None, "comma-separated host:port of every client (DTENSOR_JOBS)")
 
     def __post_init__(self) -> None:
-        positive = ("devices", "epochs", "batch_size", "keep_checkpoints", "num_clients", "steps_per_call")
+        positive = ("devices", "epochs", "batch_size", "keep_checkpoints", "num_clients", "steps_per_call",
+                    "max_tokens", "min_df", "hidden")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning-rate must be positive, got {self.learning_rate}")
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must not be negative, got {self.weight_decay}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if not 0 <= self.validation_fraction < 1:
+            raise ValueError(f"--validation-fraction must be in [0, 1), got {self.validation_fraction}")
+        if not 1 <= self.ngrams <= 5:
+            raise ValueError(f"--ngrams must be in 1..5, got {self.ngrams}")
+        if self.patience < 0:
+            raise ValueError(f"--patience must not be negative, got {self.patience}")
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
         if not 0 <= self.client_id < self.num_clients:
             raise ValueError(f"--client-id must be in 0..{self.num_clients - 1}, got {self.client_id}")
-        self.model_config()  # validates max_tokens, hidden, bn_momentum
+        ModelConfig(max_tokens=8, hidden=self.hidden, bn_momentum=self.bn_momentum)  # validates the rest
 
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(max_tokens=self.max_tokens, hidden=self.hidden, bn_momentum=self.bn_momentum)
+    def mesh_dims(self) -> MeshDims:
+        """The mesh's dimensions: --mesh, or --strategy (feature for one process; data, which gives
+        each client whole batch replicas, for several)."""
+        strategy = self.strategy or (None if self.num_clients == 1 or self.mesh else "data")
+        return resolve_mesh_dims(self.mesh, strategy, self.devices)
+
+    def model_config(self, width: int) -> ModelConfig:
+        """The model for a vocabulary `width` n-grams wide."""
+        return ModelConfig(max_tokens=width, hidden=self.hidden, bn_momentum=self.bn_momentum)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import codecs
 import csv
+import gzip
 import io
 import json
 import logging
 import os
-import re
 import tarfile
 import zlib
 from dataclasses import dataclass
@@ -31,7 +31,7 @@ _EXPECTED_SOURCES = (
     "expected 'bundled', an aclImdb directory or .tar.gz, a .csv/.jsonl file, or tfds:NAME"
 )
 _TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar")
-_BR = re.compile(r"<br\s*/?>", re.IGNORECASE)  # IMDB keeps the site's line breaks as HTML
+_TABLES = {".csv": "csv", ".jsonl": "jsonl", ".csv.gz": "csv", ".jsonl.gz": "jsonl"}
 
 
 class DataError(ValueError):
@@ -99,13 +99,13 @@ def _load(
         return *_aclimdb_dir(path, seed), f"aclImdb directory {path}"
     if "," in spec and not path.exists():
         files = [Path(part.strip()).expanduser() for part in spec.split(",")]
-        if len(files) != 2 or any(f.suffix not in (".csv", ".jsonl") for f in files):
-            raise DataError(f"{spec!r}: an explicit split is two .csv/.jsonl files 'train,test'")
+        if len(files) != 2 or any(_table_kind(f) is None for f in files):
+            raise DataError(f"{spec!r}: an explicit split is two .csv/.jsonl files (or .gz) 'train,test'")
         train, test = (_read_table(f, text_field, label_field) for f in files)
         return train, test, f"{files[0]} (train) + {files[1]} (test)"
     if path.name.endswith(_TAR_SUFFIXES):
         return *_aclimdb_tar(path, seed), f"aclImdb archive {path}"
-    if path.suffix in (".csv", ".jsonl"):
+    if _table_kind(path) is not None:
         rows = _read_table(path, text_field, label_field)
         train, test = _split_rows(rows, test_fraction, seed, path)
         return train, test, f"{path} ({test_fraction:g} held out for test, seed {seed})"
@@ -138,11 +138,23 @@ def _decode(data: bytes, name: str) -> str:
 # --- CSV and JSONL -------------------------------------------------------------------------
 
 
+def _table_kind(path: Path) -> str | None:
+    """"csv" or "jsonl" for a table file (gzipped or not), else None."""
+    name = path.name.lower()
+    return next((kind for suffix, kind in _TABLES.items() if name.endswith(suffix)), None)
+
+
 def _read_table(path: Path, text_field: str, label_field: str) -> Split:
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    text = _decode(path.read_bytes(), str(path))
-    read = _read_csv if path.suffix == ".csv" else _read_jsonl
+    data = path.read_bytes()
+    if path.name.lower().endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise DataError(f"{path}: not a readable gzip file ({exc})") from None
+    text = _decode(data, str(path))
+    read = _read_csv if _table_kind(path) == "csv" else _read_jsonl
     texts, labels = read(text, str(path), text_field, label_field)
     if not texts:
         raise DataError(f"{path}: no rows")
@@ -217,6 +229,18 @@ def _split_rows(rows: Split, test_fraction: float, seed: int, path: Path) -> tup
     return _take(rows, np.flatnonzero(~is_test)), _take(rows, np.flatnonzero(is_test))
 
 
+def split_validation(train: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+    """(rest, validation): `fraction` of each class held out, chosen by `seed` (the same every time)."""
+    rng = np.random.default_rng([seed, 1])
+    held = np.zeros(len(train.texts), dtype=bool)
+    for label in (0, 1):
+        members = np.flatnonzero(train.labels == label)
+        held[rng.permutation(members)[: int(round(len(members) * fraction))]] = True
+    if fraction and (held.all() or not held.any()):
+        raise DataError(f"{len(train.texts)} training examples are too few for --validation-fraction {fraction}")
+    return _take(train, np.flatnonzero(~held)), _take(train, np.flatnonzero(held))
+
+
 def _take(split: Split, indices: np.ndarray) -> Split:
     return Split([split.texts[i] for i in indices], split.labels[indices])
 
@@ -239,7 +263,9 @@ _ACL_FOLDERS = [(split, cls) for split in ("train", "test") for cls in ("neg", "
 
 
 def _review_text(data: bytes, name: str) -> str:
-    return _BR.sub(" ", _decode(data, name)).strip()
+    """A review as stored (IMDB's `<br />` included: the vectorizer's standardization turns it
+    into a space, in training and in the exported model alike)."""
+    return _decode(data, name).strip()
 
 
 def _aclimdb_dir(root: Path, seed: int) -> tuple[Split, Split]:

@@ -1,8 +1,12 @@
-"""SGD (with optional momentum) and Adam on DVariables.
+"""SGD (with optional momentum) and Adam on DVariables, with decoupled weight decay (AdamW).
 
 Keras 3 optimizers fail on DVariables, so the update is written by hand. Slot variables are
 DVariables with their parameter's layout: each device updates only its own shard, no gathering.
 They are attributes of a tf.Module, so they go into the same checkpoint as the weights.
+
+Weight decay is decoupled from the gradient (Loshchilov & Hutter, "Decoupled Weight Decay
+Regularization"): `param -= learning_rate * weight_decay * param`, applied to the parameters
+flagged in `decay` (the kernels; biases and BatchNorm's scale and shift are left alone).
 """
 
 from __future__ import annotations
@@ -24,14 +28,25 @@ def _scalar(mesh: dtensor.Mesh, value: float | int, dtype: tf.DType, name: str) 
     return dtensor.DVariable(dtensor.copy_to_mesh(tf.constant(value, dtype), layout), trainable=False, name=name)
 
 
+def _decay(parameters: Sequence[tf.Variable], decay: Sequence[bool], rate: float) -> None:
+    if rate:
+        for param, flagged in zip(parameters, decay):
+            if flagged:
+                param.assign_sub(rate * param)
+
+
 class SGD(tf.Module):
-    def __init__(self, parameters: Sequence[tf.Variable], learning_rate: float, momentum: float = 0.0) -> None:
+    def __init__(self, parameters: Sequence[tf.Variable], learning_rate: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0, decay: Sequence[bool] = ()) -> None:
         super().__init__(name="sgd")
         self.learning_rate = learning_rate
         self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.decay = tuple(decay) or (True,) * len(parameters)
         self.velocity = [_zeros_like(p, f"velocity_{i}") for i, p in enumerate(parameters)] if momentum else []
 
     def apply(self, gradients: Sequence[tf.Tensor], parameters: Sequence[tf.Variable]) -> None:
+        _decay(parameters, self.decay, self.learning_rate * self.weight_decay)
         if not self.momentum:
             for grad, param in zip(gradients, parameters):
                 param.assign_sub(self.learning_rate * grad)
@@ -49,15 +64,20 @@ class Adam(tf.Module):
         beta_1: float = 0.9,
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
+        weight_decay: float = 0.0,
+        decay: Sequence[bool] = (),
     ) -> None:
         super().__init__(name="adam")
         self.learning_rate, self.beta_1, self.beta_2, self.epsilon = learning_rate, beta_1, beta_2, epsilon
+        self.weight_decay = weight_decay
+        self.decay = tuple(decay) or (True,) * len(parameters)
         mesh = dtensor.fetch_layout(parameters[0]).mesh
         self.iterations = _scalar(mesh, 0.0, tf.float32, "iterations")
         self.m = [_zeros_like(p, f"m_{i}") for i, p in enumerate(parameters)]
         self.v = [_zeros_like(p, f"v_{i}") for i, p in enumerate(parameters)]
 
     def apply(self, gradients: Sequence[tf.Tensor], parameters: Sequence[tf.Variable]) -> None:
+        _decay(parameters, self.decay, self.learning_rate * self.weight_decay)
         step = self.iterations.assign_add(1.0)
         # Bias correction folded into the step size, as Keras does.
         lr = self.learning_rate * tf.sqrt(1.0 - tf.pow(self.beta_2, step)) / (1.0 - tf.pow(self.beta_1, step))
@@ -67,9 +87,10 @@ class Adam(tf.Module):
             param.assign_sub(lr * m / (tf.sqrt(v) + self.epsilon))
 
 
-def make_optimizer(name: str, parameters: Sequence[tf.Variable], learning_rate: float, momentum: float = 0.0):
+def make_optimizer(name: str, parameters: Sequence[tf.Variable], learning_rate: float, momentum: float = 0.0,
+                   weight_decay: float = 0.0, decay: Sequence[bool] = ()):
     if name == "adam":
-        return Adam(parameters, learning_rate)
+        return Adam(parameters, learning_rate, weight_decay=weight_decay, decay=decay)
     if name == "sgd":
-        return SGD(parameters, learning_rate, momentum)
+        return SGD(parameters, learning_rate, momentum, weight_decay=weight_decay, decay=decay)
     raise ValueError(f"--optimizer must be adam or sgd, got {name!r}")

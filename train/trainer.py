@@ -1,7 +1,16 @@
-"""The training loop: data onto the mesh, the train step, evaluation, checkpoints, progress.
+"""The training run, from data to the best checkpoint's test score.
 
-The step itself (`TrainState.train_step`) only reads a batch and updates model/optimizer state;
-everything with side effects on the outside world (files, logs, signals) lives in `train()`.
+    train(config)
+      run directory       create, or resume (leftovers of killed runs removed)
+      data                train / validation / test splits
+      vocabulary          built from the training split (or the run's own, on resume)
+      epochs              train steps -> validation -> metrics line -> checkpoint (best kept)
+                          until --epochs, --max-steps, or --patience epochs without improvement
+      test                the best checkpoint, once
+
+The pieces live beside this file: `pipeline` (batches on the mesh), `state` (model, optimizer,
+compiled steps), `checkpoints` (keeping the latest and the best), `report` (metrics.jsonl,
+TensorBoard, logs). Interrupts (SIGINT/SIGTERM) are checkpointed at the last finished step.
 """
 
 from __future__ import annotations
@@ -9,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
+import math
 import signal
 import threading
 import time
@@ -18,23 +27,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from common import mesh as meshlib
-from common.model import DTensorMLP, ModelConfig
-from common.vectorizer import VOCABULARY_FILE, adapt_vectorizer, load_vectorizer, save_vectorizer, vectorize
+from common.mesh_spec import FEATURE
+from common.model import ModelConfig
+from common.run_dir import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    MODEL_FILE,
+    atomic_write_json,
+    checkpoint_steps,
+    clean_leftovers,
+    read_best,
+)
+from common.vectorizer import (
+    VOCABULARY_FILE,
+    TfIdf,
+    VectorizerSettings,
+    build_vocabulary,
+    load_vectorizer,
+    save_vectorizer,
+)
+from train.checkpoints import CheckpointStore
 from train.config import TrainConfig
-from train.data import SentimentData, load_data
-from train.optim import make_optimizer
+from train.data import Split
+from train.pipeline import Batches, chunks, epoch_order, load_splits
+from train.report import Report
+from train.state import TrainState, to_host
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "model.json"
-CONFIG_FILE = "train_config.json"
-METRICS_FILE = "metrics.jsonl"
-CHECKPOINT_DIR = "checkpoints"
+TEST_FILE = "test.json"
 
 
 class TrainingError(RuntimeError):
@@ -54,164 +79,234 @@ class TrainResult:
     run_dir: Path
     step: int
     epoch: int
+    best_checkpoint: str
+    validation_accuracy: float | None
     test_loss: float
     test_accuracy: float
     history: list[dict]
 
 
-def to_host(value: tf.Tensor) -> np.ndarray:
-    """A replicated DTensor's value as numpy (every device holds the same copy)."""
-    return dtensor.unpack(value)[0].numpy()
-
-
-class Progress(tf.Module):
-    """Where training is: checkpointed with the weights so resume continues mid-epoch."""
-
-    def __init__(self, mesh: dtensor.Mesh) -> None:
-        super().__init__(name="progress")
-        layout = dtensor.Layout.replicated(mesh, 0)
-
-        def counter(name: str) -> dtensor.DVariable:
-            return dtensor.DVariable(dtensor.copy_to_mesh(tf.constant(0, tf.int64), layout), trainable=False, name=name)
-
-        self.step = counter("step")
-        self.epoch = counter("epoch")
-        self.examples_in_epoch = counter("examples_in_epoch")
-
-    def read(self) -> tuple[int, int, int]:
-        return tuple(int(to_host(v.read_value())) for v in (self.step, self.epoch, self.examples_in_epoch))
-
-    def set(self, step: int, epoch: int, examples_in_epoch: int) -> None:
-        for var, value in ((self.step, step), (self.epoch, epoch), (self.examples_in_epoch, examples_in_epoch)):
-            var.assign(dtensor.copy_to_mesh(tf.constant(value, tf.int64), dtensor.fetch_layout(var)))
-
-
-class TrainState:
-    """Model, optimizer and progress on one mesh, with the compiled train and eval steps."""
-
-    def __init__(self, model_config: ModelConfig, mesh: dtensor.Mesh, config: TrainConfig) -> None:
-        self.mesh = mesh
-        self.model = DTensorMLP(model_config, mesh, seed=config.seed)
-        self.optimizer = make_optimizer(
-            config.optimizer, self.model.parameters, config.learning_rate, config.momentum
-        )
-        self.progress = Progress(mesh)
-        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, progress=self.progress)
-
-    @tf.function
-    def train_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """One optimizer step on a global batch; returns (mean loss, accuracy) of the batch."""
-        with tf.GradientTape() as tape:
-            logits = self.model(x, training=True)
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-        gradients = tape.gradient(loss, self.model.parameters)
-        self.optimizer.apply(gradients, self.model.parameters)
-        accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32))
-        return loss, accuracy
-
-    @tf.function
-    def eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """(sum of losses, number correct) over the real rows of a batch; padding rows have label -1.
-
-        Padding is marked in the labels because DTensorDataset fails on a third component.
-        """
-        real = tf.cast(y >= 0, tf.float32)
-        y = tf.maximum(y, 0)
-        logits = self.model(x, training=False)
-        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
-        correct = tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32)
-        return tf.reduce_sum(losses * real), tf.reduce_sum(correct * real)
-
-    @tf.function
-    def train_steps(self, iterator, num_steps: int) -> tuple[tf.Tensor, tf.Tensor]:
-        """`num_steps` train steps in one call (sums of batch losses and accuracies).
-
-        Looping inside the graph removes the per-step Python dispatch, which on a mesh of
-        virtual devices costs several times the step itself. `num_steps` is a Python int, so each
-        distinct value traces once (in practice: steps_per_call and one remainder).
-        """
-        loss_sum = acc_sum = tf.constant(0.0)
-        for _ in tf.range(num_steps):
-            x, y = next(iterator)
-            loss, accuracy = self.train_step(x, y)
-            loss_sum += loss
-            acc_sum += accuracy
-        return loss_sum, acc_sum
-
-    @tf.function
-    def eval_steps(self, iterator, num_steps: int) -> tuple[tf.Tensor, tf.Tensor]:
-        loss_sum = correct = tf.constant(0.0)
-        for _ in tf.range(num_steps):
-            x, y = next(iterator)
-            batch_loss, batch_correct = self.eval_step(x, y)
-            loss_sum += batch_loss
-            correct += batch_correct
-        return loss_sum, correct
-
-
-def mesh_iterator(
-    mesh: dtensor.Mesh, arrays: tuple[np.ndarray, np.ndarray], layouts: tuple, global_batch: int, config: TrainConfig
-) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
-    """An iterator of global batches of `arrays` as DTensors on the mesh.
-
-    DTensorDataset gives each device only its own shard, with no Python split+pack per step. In
-    multi-client mode it only splits among this client's devices, so each client first takes its
-    interleaved share of rows; the global batch is then the same set of rows a single process uses.
-    Callers take exactly len/global_batch batches: on TF 2.21, running a DTensorDataset iterator
-    to its end poisons the eager executor and every later DTensorDataset fails with CancelledError.
-    """
-    ds = tf.data.Dataset.from_tensor_slices(arrays)
-    if config.num_clients > 1:
-        ds = ds.shard(config.num_clients, config.client_id)
-    dds = dtensor.DTensorDataset(
-        dataset=ds,
-        mesh=mesh,
-        layouts=layouts,
-        global_batch_size=global_batch,
-        batch_dim=meshlib.BATCH if meshlib.BATCH in mesh.dim_names else None,
-        prefetch=2,
-    )
-    return iter(dds)
-
-
-def chunks(total: int, size: int) -> Iterator[int]:
-    """Split `total` steps into calls of at most `size` steps."""
-    while total > 0:
-        yield min(size, total)
-        total -= size
-
-
-def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-    """The shuffled row order of one epoch: a pure function of (seed, epoch), so resume can replay it."""
-    return np.random.default_rng([seed, epoch]).permutation(num_examples)
-
-
-def _atomic_write_json(path: Path, value: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def has_checkpoint(run_dir: Path) -> bool:
-    return tf.train.latest_checkpoint(str(run_dir / CHECKPOINT_DIR)) is not None
-
-
-def _prepare_vocabulary(config: TrainConfig, run_dir: Path, data: SentimentData, resuming: bool):
-    model_config = config.model_config()
+def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
+    """Train (or resume) per `config`; everything goes to `config.run_dir` (see common.run_dir)."""
+    run_dir, resuming = _prepare_run_dir(config)
+    mesh = mesh or make_mesh(config)
+    splits = load_splits(config)
+    log.info("data: %s (%d train, %s validation, %d test)", splits.source, len(splits.train.texts),
+             len(splits.validation.texts) if splits.validation else "no", len(splits.test.texts))
+    if len(splits.train.texts) < config.batch_size:
+        raise TrainingError(f"--batch-size {config.batch_size} is larger than the {len(splits.train.texts)} "
+                            "training examples")
+    chief = config.client_id == 0
+    vectorizer, model_config = _prepare_vocabulary(config, run_dir, splits.train, resuming, mesh, chief)
+    meshlib.check_divisible(mesh, batch_size=config.batch_size, max_tokens=model_config.max_tokens,
+                            hidden=config.hidden)
+    state = TrainState(model_config, mesh, config)
+    store = CheckpointStore(run_dir, state.checkpoint, config.keep_checkpoints, chief)
     if resuming:
-        saved = ModelConfig.load(run_dir / MODEL_FILE)
-        if saved != model_config:
-            raise TrainingError(
-                f"--run-dir {run_dir} holds a model with {saved}, but this run asks for {model_config}; "
-                "use the same --max-tokens/--hidden/--bn-momentum or a new --run-dir"
-            )
-        return load_vectorizer(run_dir), model_config
-    vectorizer = adapt_vectorizer(data.train.texts, config.max_tokens)
+        store.restore(store.latest())
+        log.info("resumed from %s", store.latest())
+    progress = state.progress.read()
+    report = Report(run_dir, chief=chief, progress=config.progress, tensorboard=config.tensorboard,
+                    finished_epochs=progress["epoch"])
+    batches = Batches(mesh, state.model.layouts, vectorizer, config)
+    log.info("mesh %s on %d %s device(s), vocabulary of %d n-grams (width %d); %d steps/epoch, batch %d",
+             ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names), mesh.num_local_devices() * config.num_clients,
+             mesh.device_type(), len(vectorizer.vocabulary), model_config.max_tokens,
+             len(splits.train.texts) // config.batch_size, config.batch_size)
+    try:
+        with _stop_on_signals() as stop:
+            while not _finished(progress, config):
+                if _train_epoch(state, batches, splits.train, progress, config, stop, store, report):
+                    _end_epoch(state, batches, splits.validation, progress, config, store, report)
+                else:
+                    _save(state, store, progress)  # stopped mid-epoch by --max-steps
+        return _test(state, batches, splits.test, progress, store, report, run_dir)
+    finally:
+        report.close()
+
+
+# -- run directory and vocabulary ----------------------------------------------------------------
+
+
+def _prepare_run_dir(config: TrainConfig) -> tuple[Path, bool]:
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     if config.client_id == 0:
+        clean_leftovers(run_dir / CHECKPOINT_DIR)
+    resuming = bool(checkpoint_steps(run_dir))
+    if resuming and not config.resume:
+        raise TrainingError(f"--run-dir {run_dir} already has checkpoints; pass --resume or pick a new --run-dir")
+    if resuming and not (run_dir / VOCABULARY_FILE).exists():
+        raise TrainingError(f"{run_dir / VOCABULARY_FILE} is missing: cannot resume without the vocabulary")
+    return run_dir, resuming
+
+
+def _prepare_vocabulary(config: TrainConfig, run_dir: Path, train: Split, resuming: bool, mesh: dtensor.Mesh,
+                        chief: bool) -> tuple[TfIdf, ModelConfig]:
+    settings = VectorizerSettings(ngrams=config.ngrams, sublinear_tf=config.sublinear_tf,
+                                  normalize=config.normalize, min_df=config.min_df)
+    if resuming:
+        vectorizer = load_vectorizer(run_dir)
+        saved = ModelConfig.load(run_dir / MODEL_FILE)
+        wanted = config.model_config(saved.max_tokens)
+        if saved != wanted or vectorizer.settings != settings:
+            raise TrainingError(
+                f"--run-dir {run_dir} holds a model with {saved} and {vectorizer.settings}, but this run asks for "
+                f"{wanted} and {settings}; use the same --hidden/--bn-momentum/--ngrams/--min-df/--sublinear-tf/"
+                "--normalize, or a new --run-dir"
+            )
+        return vectorizer, saved
+    multiple = math.lcm(8, meshlib.dim_size(mesh, FEATURE))
+    bar = _bar(config, len(train.texts), "vocabulary", "review")
+    vectorizer = build_vocabulary(train.texts, config.max_tokens, settings, multiple=multiple,
+                                  progress=bar.update if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    model_config = config.model_config(vectorizer.width)
+    if chief:
         save_vectorizer(vectorizer, run_dir)
         model_config.save(run_dir / MODEL_FILE)
-        _atomic_write_json(run_dir / CONFIG_FILE, dataclasses.asdict(config))
+        atomic_write_json(run_dir / CONFIG_FILE, dataclasses.asdict(config))
     return vectorizer, model_config
+
+
+def _bar(config: TrainConfig, total: int, description: str, unit: str):  # noqa: ANN202
+    if not (config.progress and config.client_id == 0):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, unit=unit, dynamic_ncols=True, leave=False)
+
+
+# -- epochs --------------------------------------------------------------------------------------
+
+
+def _finished(progress: dict, config: TrainConfig) -> bool:
+    if config.max_steps is not None and progress["step"] >= config.max_steps:
+        return True
+    if config.patience and config.validation_fraction and progress["since_best"] >= config.patience:
+        return True
+    return progress["epoch"] >= config.epochs
+
+
+def _train_epoch(state: TrainState, batches: Batches, split: Split, progress: dict, config: TrainConfig,
+                 stop: threading.Event, store: CheckpointStore, report: Report) -> bool:
+    """Train (the rest of) the current epoch; True when it finished, False when --max-steps cut it."""
+    G = config.batch_size
+    steps_per_epoch = len(split.texts) // G
+    start_batch = progress["examples_in_epoch"] // G
+    rows = epoch_order(len(split.texts), config.seed, progress["epoch"])[start_batch * G : steps_per_epoch * G]
+    todo = len(rows) // G
+    if config.max_steps is not None:
+        todo = min(todo, config.max_steps - progress["step"])
+    iterator = batches.training(split, rows[: todo * G])
+    bar = report.bar(steps_per_epoch, start_batch, f"epoch {progress['epoch'] + 1}/{config.epochs}")
+    started = time.perf_counter()
+    try:
+        for num_steps in chunks(todo, config.steps_per_call):
+            losses, accuracies = state.train_steps(iterator, num_steps)
+            previous = progress["step"]
+            progress["step"] += num_steps
+            progress["examples_in_epoch"] += num_steps * G
+            progress["epoch_steps"] += num_steps
+            progress["epoch_loss_sum"] += float(to_host(losses))
+            progress["epoch_accuracy_sum"] += float(to_host(accuracies))
+            elapsed = time.perf_counter() - started
+            if bar is not None:
+                bar.update(num_steps)
+                bar.set_postfix(loss=f"{progress['epoch_loss_sum'] / progress['epoch_steps']:.4f}", refresh=False)
+            if stop_agreed(state.mesh, config, stop.is_set()):
+                progress["epoch_seconds"] += elapsed
+                _save(state, store, progress)
+                raise TrainingInterrupted(stop.signum or signal.SIGTERM, progress["step"])  # type: ignore[attr-defined]
+            every = config.checkpoint_every
+            if every and progress["step"] // every > previous // every:
+                _save(state, store, {**progress, "epoch_seconds": progress["epoch_seconds"] + elapsed})
+    finally:
+        if bar is not None:
+            bar.close()
+    progress["epoch_seconds"] += time.perf_counter() - started
+    return progress["examples_in_epoch"] >= steps_per_epoch * G
+
+
+def _end_epoch(state: TrainState, batches: Batches, validation: Split | None, progress: dict, config: TrainConfig,
+               store: CheckpointStore, report: Report) -> None:
+    """Validation, model selection, the metrics line, the checkpoint (in that order: a crash before the
+    checkpoint drops the line on resume, and the epoch is recorded once when it is run again)."""
+    steps = max(progress["epoch_steps"], 1)
+    record = {
+        "epoch": progress["epoch"] + 1,
+        "step": progress["step"],
+        "train_loss": progress["epoch_loss_sum"] / steps,
+        "train_accuracy": progress["epoch_accuracy_sum"] / steps,
+        "examples_per_second": steps * config.batch_size / progress["epoch_seconds"] if progress["epoch_seconds"] else None,
+        "time": time.time(),
+    }
+    best = None
+    if validation is not None:
+        loss, accuracy = evaluate(state, batches, validation)
+        record.update(validation_loss=loss, validation_accuracy=accuracy)
+        improved = accuracy > progress["best_accuracy"] or (
+            accuracy == progress["best_accuracy"] and loss < progress["best_loss"])
+        if improved:
+            progress.update(best_accuracy=accuracy, best_loss=loss, best_step=progress["step"], since_best=0)
+            best = {"epoch": record["epoch"], "step": progress["step"], "validation_loss": loss,
+                    "validation_accuracy": accuracy}
+        else:
+            progress["since_best"] += 1
+        record["best"] = improved
+    progress.update(epoch=progress["epoch"] + 1, examples_in_epoch=0, epoch_steps=0, epoch_loss_sum=0.0,
+                    epoch_accuracy_sum=0.0, epoch_seconds=0.0)
+    report.epoch(record, config.learning_rate)
+    _save(state, store, progress, best)
+    if validation is not None and config.patience and progress["since_best"] >= config.patience \
+            and progress["epoch"] < config.epochs:
+        log.info("stopping early: no better validation accuracy for %d epoch(s); best %s", config.patience,
+                 f"ckpt-{progress['best_step']}")
+
+
+def _save(state: TrainState, store: CheckpointStore, progress: dict, best: dict | None = None) -> None:
+    state.progress.write(progress)
+    store.save(progress["step"], best)
+
+
+def evaluate(state: TrainState, batches: Batches, split: Split) -> tuple[float, float]:
+    """(mean loss, accuracy) of the model (inference mode) over a whole split."""
+    iterator, num_batches, _ = batches.evaluation(split)
+    loss_sum = correct = 0.0
+    for num_steps in chunks(num_batches, batches.config.steps_per_call):
+        batch_loss, batch_correct = state.eval_steps(iterator, num_steps)
+        loss_sum += float(to_host(batch_loss))
+        correct += float(to_host(batch_correct))
+    return loss_sum / len(split.texts), correct / len(split.texts)
+
+
+def _test(state: TrainState, batches: Batches, test: Split, progress: dict, store: CheckpointStore, report: Report,
+          run_dir: Path) -> TrainResult:
+    """The test split, once, on the best checkpoint (the latest without a validation split)."""
+    best = read_best(run_dir)
+    checkpoint = best["checkpoint"] if best else Path(store.latest()).name
+    done = _read_test(run_dir)
+    if done is not None and done["checkpoint"] == checkpoint:
+        loss, accuracy = done["test_loss"], done["test_accuracy"]  # a finished run asked again
+    else:
+        if best:
+            tf.train.Checkpoint(model=state.model).restore(str(run_dir / CHECKPOINT_DIR / checkpoint)).expect_partial()
+        loss, accuracy = evaluate(state, batches, test)
+        if store.chief:
+            atomic_write_json(run_dir / TEST_FILE, {"checkpoint": checkpoint, "test_loss": loss,
+                                                    "test_accuracy": accuracy, "examples": len(test.texts)})
+        report.test(progress["step"], loss, accuracy, checkpoint)
+    return TrainResult(run_dir, progress["step"], progress["epoch"], checkpoint,
+                       best.get("validation_accuracy") if best else None, loss, accuracy, report.history)
+
+
+def _read_test(run_dir: Path) -> dict | None:
+    path = run_dir / TEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# -- signals and the mesh ------------------------------------------------------------------------
 
 
 @contextmanager
@@ -250,228 +345,10 @@ def stop_agreed(mesh: dtensor.Mesh, config: TrainConfig, requested: bool) -> boo
     return bool(to_host(tf.reduce_max(flags)) > 0)
 
 
-def build_mesh(config: TrainConfig) -> dtensor.Mesh:
-    """The run's mesh: this process's devices, or one mesh over every client's (num_clients > 1).
+def make_mesh(config: TrainConfig) -> dtensor.Mesh:
+    """The run's mesh from --mesh/--strategy, --devices and the cluster flags."""
+    dims = config.mesh_dims()
+    jobs = tuple(j.strip() for j in (config.jobs or "").split(",") if j.strip())
+    return meshlib.create_mesh(dims, config.devices, config.device_type, num_clients=config.num_clients,
+                               client_id=config.client_id, jobs=jobs)
 
-    Multi-client (DESIGN.md): the DTENSOR_* variables are set from the config, DTensor's runtime is
-    started with `devices / num_clients` devices in this process, and `create_distributed_mesh`
-    numbers devices client by client. Each client feeds its own interleaved share of every batch
-    (`mesh_iterator`), so every batch replica must live on one client (`check_client_mesh`).
-    """
-    from train.launch import ClusterError, check_client_mesh, export_cluster_env
-
-    dims = meshlib.resolve_mesh_dims(config.mesh, config.strategy, config.devices)
-    try:
-        export_cluster_env(config.num_clients, config.client_id, config.jobs)
-    except ClusterError as exc:
-        raise meshlib.MeshError(str(exc)) from None
-    if config.num_clients == 1:
-        device_type = meshlib.configure_devices(config.devices, config.device_type)
-        return meshlib.build_mesh(dims, device_type)
-
-    n = config.num_clients
-    try:
-        check_client_mesh(dims, config.devices, n)
-    except ClusterError as exc:
-        raise meshlib.MeshError(str(exc)) from None
-    per_client = config.devices // n
-    gpus = tf.config.list_physical_devices("GPU")
-    device_type = "GPU" if config.device_type == "GPU" or (config.device_type == "auto" and gpus) else "CPU"
-    if device_type == "GPU":
-        if len(gpus) < per_client:
-            raise meshlib.MeshError(
-                f"--devices {config.devices} on {n} clients needs {per_client} GPU(s) per client, this one sees {len(gpus)}"
-            )
-        # The first GPUs this process sees; clients sharing a host need their own CUDA_VISIBLE_DEVICES.
-        tf.config.set_visible_devices(gpus[:per_client], "GPU")
-    try:
-        dtensor.initialize_accelerator_system(
-            device_type, num_logical_cpu_devices=per_client if device_type == "CPU" else None
-        )
-    except ValueError as exc:
-        if "already been initialized" not in str(exc) or "Accelerator" not in str(exc):
-            raise meshlib.MeshError(
-                f"multi-client training must start DTensor before TensorFlow runs anything; run it in a "
-                f"fresh process ({exc})"
-            ) from None
-        # DTensor already started in this process (a second train() call): reuse it.
-    if dtensor.num_clients() != n or dtensor.num_local_devices(device_type) != per_client:
-        raise meshlib.MeshError(
-            f"this process already runs {dtensor.num_clients()} client(s) x "
-            f"{dtensor.num_local_devices(device_type)} {device_type} device(s), not {n} x {per_client}"
-        )
-    return dtensor.create_distributed_mesh(dims, device_type=device_type)
-
-
-def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
-    """Train (or resume) per `config`; checkpoints, vocabulary and metrics go to `config.run_dir`."""
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    mesh = mesh or build_mesh(config)
-    meshlib.check_divisible(mesh, batch_size=config.batch_size, max_tokens=config.max_tokens, hidden=config.hidden)
-
-    resuming = has_checkpoint(run_dir)
-    if resuming and not config.resume:
-        raise TrainingError(f"--run-dir {run_dir} already has checkpoints; pass --resume or pick a new --run-dir")
-    if resuming and not (run_dir / VOCABULARY_FILE).exists():
-        raise TrainingError(f"{run_dir / VOCABULARY_FILE} is missing: cannot resume without the vocabulary")
-
-    data = load_data(
-        config.data,
-        text_field=config.text_field,
-        label_field=config.label_field,
-        test_fraction=config.test_fraction,
-        seed=config.seed,
-        limit=config.limit,
-    )
-    log.info("data: %s (%d train, %d test)", data.source, len(data.train.texts), len(data.test.texts))
-    if len(data.train.texts) < config.batch_size:
-        raise TrainingError(
-            f"--batch-size {config.batch_size} is larger than the {len(data.train.texts)} training examples"
-        )
-    vectorizer, model_config = _prepare_vocabulary(config, run_dir, data, resuming)
-    train_x = vectorize(vectorizer, data.train.texts)
-    train_y = data.train.labels.astype(np.int64)
-    test_x = vectorize(vectorizer, data.test.texts)
-    test_y = data.test.labels.astype(np.int64)
-
-    state = TrainState(model_config, mesh, config)
-    manager = tf.train.CheckpointManager(
-        state.checkpoint, str(run_dir / CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints
-    )
-    if resuming:
-        state.checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
-        log.info("resumed from %s", manager.latest_checkpoint)
-    step, epoch, examples_in_epoch = state.progress.read()
-
-    G = config.batch_size
-    layouts = state.model.layouts
-    steps_per_epoch = len(train_y) // G
-    history: list[dict] = []
-    metrics_path = run_dir / METRICS_FILE
-    is_chief = config.client_id == 0
-    show_progress = config.progress and is_chief
-    log.info(
-        "mesh %s on %d %s device(s); %d steps/epoch, batch %d",
-        ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names), mesh.num_local_devices() * config.num_clients,
-        mesh.device_type(), steps_per_epoch, G,
-    )
-
-    def save() -> None:
-        state.progress.set(step, epoch, examples_in_epoch)
-        manager.save(checkpoint_number=step)
-
-    def evaluate() -> tuple[float, float]:
-        padded = -(-len(test_y) // G) * G
-        pad = padded - len(test_y)
-        xs = np.concatenate([test_x, np.zeros((pad, test_x.shape[1]), np.float32)])
-        ys = np.concatenate([test_y, np.full(pad, -1, np.int64)])
-        loss_sum = correct = 0.0
-        iterator = mesh_iterator(mesh, (xs, ys), (layouts.inputs, layouts.labels), G, config)
-        for num_steps in chunks(padded // G, config.steps_per_call):
-            batch_loss, batch_correct = state.eval_steps(iterator, num_steps)
-            loss_sum += float(to_host(batch_loss))
-            correct += float(to_host(batch_correct))
-        return loss_sum / len(test_y), correct / len(test_y)
-
-    with _stop_on_signals() as stop:
-        while epoch < config.epochs and not _done(step, config):
-            order = epoch_order(len(train_y), config.seed, epoch)
-            start_batch = examples_in_epoch // G
-            rows = order[start_batch * G : steps_per_epoch * G]
-            iterator = mesh_iterator(mesh, (train_x[rows], train_y[rows]), (layouts.inputs, layouts.labels), G, config)
-            bar = _progress_bar(show_progress, steps_per_epoch, start_batch, epoch, config.epochs)
-            loss_sum = acc_sum = 0.0
-            seen = 0
-            started = time.perf_counter()
-            todo = len(rows) // G
-            if config.max_steps is not None:
-                todo = min(todo, config.max_steps - step)
-            for num_steps in chunks(todo, config.steps_per_call):
-                losses, accuracies = state.train_steps(iterator, num_steps)
-                loss_sum += float(to_host(losses))
-                acc_sum += float(to_host(accuracies))
-                previous_step, step, seen = step, step + num_steps, seen + num_steps
-                examples_in_epoch += num_steps * G
-                if bar is not None:
-                    bar.update(num_steps)
-                    bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{acc_sum / seen:.3f}", refresh=False)
-                if stop_agreed(mesh, config, stop.is_set()):
-                    save()
-                    if bar is not None:
-                        bar.close()
-                    raise TrainingInterrupted(stop.signum or signal.SIGTERM, step)  # type: ignore[attr-defined]
-                every = config.checkpoint_every
-                if every and step // every > previous_step // every:
-                    save()
-            elapsed = time.perf_counter() - started
-            if bar is not None:
-                bar.close()
-            finished_epoch = examples_in_epoch >= steps_per_epoch * G
-            if finished_epoch:
-                epoch += 1
-                examples_in_epoch = 0
-            test_loss, test_accuracy = evaluate()
-            record = {
-                "epoch": epoch,
-                "step": step,
-                "train_loss": loss_sum / max(seen, 1),
-                "train_accuracy": acc_sum / max(seen, 1),
-                "test_loss": test_loss,
-                "test_accuracy": test_accuracy,
-                "examples_per_second": seen * G / elapsed if elapsed > 0 else None,
-                "time": time.time(),
-            }
-            history.append(record)
-            if is_chief:
-                with metrics_path.open("a") as handle:
-                    handle.write(json.dumps(record) + "\n")
-            log.info(
-                "epoch %d step %d train_loss %.4f train_acc %.4f test_loss %.4f test_acc %.4f",
-                epoch, step, record["train_loss"], record["train_accuracy"], test_loss, test_accuracy,
-            )
-            save()
-
-    if not history:  # nothing left to do (already finished): report the restored model
-        test_loss, test_accuracy = evaluate()
-    else:
-        test_loss, test_accuracy = history[-1]["test_loss"], history[-1]["test_accuracy"]
-    return TrainResult(run_dir, step, epoch, test_loss, test_accuracy, history)
-
-
-def _done(step: int, config: TrainConfig) -> bool:
-    return config.max_steps is not None and step >= config.max_steps
-
-
-def _progress_bar(enabled: bool, total: int, initial: int, epoch: int, epochs: int):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}/{epochs}", unit="step", dynamic_ncols=True)
-
-
-def checkpoint_path(run_dir: Path, checkpoint: str | None = None) -> str:
-    """The checkpoint prefix to restore: the latest one, or `checkpoint` (e.g. "ckpt-40") by name."""
-    directory = Path(run_dir) / CHECKPOINT_DIR
-    if checkpoint is None:
-        latest = tf.train.latest_checkpoint(str(directory))
-        if latest is None:
-            raise TrainingError(f"no checkpoint in {directory}")
-        return latest
-    prefix = directory / checkpoint
-    if not Path(f"{prefix}.index").exists():
-        raise TrainingError(f"checkpoint {checkpoint!r} not found: no {prefix}.index")
-    return str(prefix)
-
-
-def restore_model(run_dir: Path, mesh: dtensor.Mesh, checkpoint: str | None = None) -> DTensorMLP:
-    """Rebuild the model from a run directory and restore a checkpoint onto `mesh`.
-
-    The latest checkpoint unless `checkpoint` names one (a prefix in run_dir/checkpoints, e.g. "ckpt-40").
-    """
-    run_dir = Path(run_dir)
-    path = checkpoint_path(run_dir, checkpoint)
-    model = DTensorMLP(ModelConfig.load(run_dir / MODEL_FILE), mesh)
-    tf.train.Checkpoint(model=model).restore(path).expect_partial()
-    return model

@@ -1,0 +1,72 @@
+"""Saving and keeping checkpoints: the latest few, plus the best one, which is never deleted.
+
+Every client calls `save` (writing a sharded DTensor checkpoint is a collective); only the chief
+(client 0) updates the state files and deletes old checkpoints. TensorFlow's own `checkpoint` state
+file is kept current, so `tf.train.latest_checkpoint` works on a run directory; `best.json` names
+the checkpoint with the best validation score.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import tensorflow as tf
+
+from common.run_dir import (
+    BEST_FILE,
+    CHECKPOINT_DIR,
+    atomic_write_json,
+    checkpoint_prefix,
+    checkpoint_steps,
+    read_best,
+    remove_checkpoint,
+)
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointStore:
+    def __init__(self, run_dir: Path, checkpoint: tf.train.Checkpoint, keep: int, chief: bool) -> None:
+        self.run_dir = Path(run_dir)
+        self.directory = self.run_dir / CHECKPOINT_DIR
+        self.checkpoint = checkpoint
+        self.keep = keep
+        self.chief = chief
+
+    def latest(self) -> str | None:
+        steps = checkpoint_steps(self.run_dir)
+        return checkpoint_prefix(self.run_dir, steps[-1]) if steps else None
+
+    def restore(self, prefix: str) -> None:
+        self.checkpoint.read(prefix).assert_existing_objects_matched()  # the pair of write()
+
+    def save(self, step: int, best: dict | None = None) -> str:
+        """Write checkpoint `ckpt-<step>`; `best` (a record of its validation score) marks it as the
+        best so far. Then keep the latest `keep` checkpoints and the best one."""
+        prefix = checkpoint_prefix(self.run_dir, step)
+        self.checkpoint.write(prefix)
+        if self.chief:
+            if best is not None:
+                atomic_write_json(self.run_dir / BEST_FILE, {"checkpoint": Path(prefix).name, **best})
+            self._prune()
+        return prefix
+
+    def mark_best(self, step: int, record: dict) -> None:
+        """Record an existing checkpoint as the best (after a resume found best.json behind)."""
+        if self.chief:
+            atomic_write_json(self.run_dir / BEST_FILE, {"checkpoint": f"ckpt-{step}", **record})
+
+    def _prune(self) -> None:
+        steps = checkpoint_steps(self.run_dir)
+        best = read_best(self.run_dir)
+        best_step = int(best["checkpoint"].rsplit("-", 1)[1]) if best else None
+        kept = steps[-self.keep:]
+        for step in steps:
+            if step not in kept and step != best_step:
+                remove_checkpoint(self.run_dir, step)
+        remaining = sorted(set(kept) | ({best_step} if best_step in steps else set()))
+        tf.compat.v1.train.update_checkpoint_state(
+            str(self.directory), checkpoint_prefix(self.run_dir, steps[-1]),
+            all_model_checkpoint_paths=[checkpoint_prefix(self.run_dir, s) for s in remaining],
+        )

@@ -1,0 +1,122 @@
+"""What training changes, on the mesh: model, optimizer and progress; and the compiled steps.
+
+`train_step` is a function of (state, batch): it reads a batch and updates the model and optimizer
+variables, nothing else. Everything with outside effects (files, logs, signals) is in `trainer`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from common.model import PARAMETERS, DTensorMLP, ModelConfig
+from train.config import TrainConfig
+from train.optim import make_optimizer
+
+DECAYED = ("dense1_kernel", "dense2_kernel")
+"""Parameters under weight decay: the kernels (not biases, not BatchNorm's scale and shift)."""
+
+
+def to_host(value: tf.Tensor) -> np.ndarray:
+    """A replicated DTensor's value as numpy (every device holds the same copy)."""
+    return dtensor.unpack(value)[0].numpy()
+
+
+class Progress(tf.Module):
+    """Where training is, checkpointed with the weights so a resume continues mid-epoch exactly:
+    the step, the epoch, the running sums of the epoch's loss and accuracy, and the model selection
+    (best validation accuracy so far, its step, epochs since)."""
+
+    FIELDS = {
+        "step": tf.int64, "epoch": tf.int64, "examples_in_epoch": tf.int64,
+        "epoch_loss_sum": tf.float64, "epoch_accuracy_sum": tf.float64, "epoch_steps": tf.int64,
+        "epoch_seconds": tf.float64,
+        "best_accuracy": tf.float64, "best_loss": tf.float64, "best_step": tf.int64, "since_best": tf.int64,
+    }
+
+    def __init__(self, mesh: dtensor.Mesh) -> None:
+        super().__init__(name="progress")
+        layout = dtensor.Layout.replicated(mesh, 0)
+        for name, dtype in self.FIELDS.items():
+            initial = -1 if name in ("best_accuracy", "best_step") else 0
+            setattr(self, name, dtensor.DVariable(dtensor.copy_to_mesh(tf.constant(initial, dtype), layout),
+                                                  trainable=False, name=name))
+
+    def read(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {}
+        for name, dtype in self.FIELDS.items():
+            value = to_host(getattr(self, name).read_value())
+            out[name] = int(value) if dtype == tf.int64 else float(value)
+        return out
+
+    def write(self, values: dict[str, float | int]) -> None:
+        for name, value in values.items():
+            var = getattr(self, name)
+            var.assign(dtensor.copy_to_mesh(tf.constant(value, self.FIELDS[name]), dtensor.fetch_layout(var)))
+
+
+class TrainState:
+    """Model, optimizer and progress on one mesh, with the compiled train and eval steps."""
+
+    def __init__(self, model_config: ModelConfig, mesh: dtensor.Mesh, config: TrainConfig) -> None:
+        self.mesh = mesh
+        self.dropout = config.dropout
+        self.model = DTensorMLP(model_config, mesh, seed=config.seed)
+        self.optimizer = make_optimizer(
+            config.optimizer, self.model.parameters, config.learning_rate, config.momentum,
+            weight_decay=config.weight_decay, decay=[name in DECAYED for name in PARAMETERS],
+        )
+        self.progress = Progress(mesh)
+        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, progress=self.progress)
+        layout = dtensor.Layout.replicated(mesh, 0)
+        self._seed = dtensor.copy_to_mesh(tf.constant(config.seed, tf.int64), layout)
+
+    @tf.function
+    def train_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """One optimizer step on a global batch; returns (mean loss, accuracy) of the batch."""
+        step = self.progress.step.assign_add(1)  # also the dropout seed: reproducible, and new each step
+        seed = tf.stack([self._seed, step])
+        with tf.GradientTape() as tape:
+            logits = self.model(x, training=True, dropout=self.dropout, seed=seed)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        gradients = tape.gradient(loss, self.model.parameters)
+        self.optimizer.apply(gradients, self.model.parameters)
+        accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32))
+        return loss, accuracy
+
+    @tf.function
+    def eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """(sum of losses, number correct) over the real rows of a batch; padding rows have label -1."""
+        real = tf.cast(y >= 0, tf.float32)
+        y = tf.maximum(y, 0)
+        logits = self.model(x, training=False)
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        correct = tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32)
+        return tf.reduce_sum(losses * real), tf.reduce_sum(correct * real)
+
+    @tf.function
+    def train_steps(self, iterator, num_steps: int) -> tuple[tf.Tensor, tf.Tensor]:
+        """`num_steps` train steps in one call (sums of batch losses and accuracies).
+
+        Looping inside the graph removes the per-step Python dispatch, which on a mesh of
+        virtual devices costs several times the step itself. `num_steps` is a Python int, so each
+        distinct value traces once (in practice: steps_per_call and one remainder).
+        """
+        loss_sum = acc_sum = tf.constant(0.0)
+        for _ in tf.range(num_steps):
+            x, y = next(iterator)
+            loss, accuracy = self.train_step(x, y)
+            loss_sum += loss
+            acc_sum += accuracy
+        return loss_sum, acc_sum
+
+    @tf.function
+    def eval_steps(self, iterator, num_steps: int) -> tuple[tf.Tensor, tf.Tensor]:
+        loss_sum = correct = tf.constant(0.0)
+        for _ in tf.range(num_steps):
+            x, y = next(iterator)
+            batch_loss, batch_correct = self.eval_step(x, y)
+            loss_sum += batch_loss
+            correct += batch_correct
+        return loss_sum, correct
