@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as exc:
         print(f"export: error: {exc}", file=sys.stderr)
         return 2
-    accuracy = "" if result.test_accuracy is None else f", test accuracy {result.test_accuracy:.4f}"
+    scores = [f"{what} accuracy {value:.4f}" for what, value in
+              (("validation", result.validation_accuracy), ("test", result.test_accuracy)) if value is not None]
     print(f"exported version {result.version} to {result.path}")
-    print(f"  from {result.checkpoint} (step {result.step}{accuracy})")
+    print(f"  from {result.checkpoint} (step {result.step}{''.join(', ' + s for s in scores)})")
     print()
     print(describe_signatures(result.path))
     print()

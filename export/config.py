@@ -25,7 +25,10 @@ class ExportConfig:
         "models/sentiment", "model base directory for TF Serving (models/NAME); the SavedModel goes to MODEL_DIR/VERSION"
     )
     version: int | None = option(None, "version number to write; default: one more than the highest existing")
-    checkpoint: str | None = option(None, "checkpoint to export by name, e.g. ckpt-40; default: the latest")
+    checkpoint: str = option(
+        "best", "checkpoint to export: best (the best validation score; the latest if the run kept no "
+        "validation split), latest, or a name such as ckpt-40"
+    )
     samples: tuple[str, ...] = option(DEFAULT_SAMPLES, "reviews to check, print and use as warm-up requests")
 
     def __post_init__(self) -> None:
@@ -35,8 +38,8 @@ class ExportConfig:
             raise ValueError("--model-dir must not be empty")
         if self.version is not None and self.version < 1:
             raise ValueError(f"--version must be at least 1, got {self.version}")
-        if self.checkpoint is not None and (not self.checkpoint or "/" in self.checkpoint):
-            raise ValueError(f"--checkpoint must be a checkpoint name such as ckpt-40, got {self.checkpoint!r}")
+        if not self.checkpoint or "/" in self.checkpoint:
+            raise ValueError(f"--checkpoint must be best, latest or a name such as ckpt-40, got {self.checkpoint!r}")
         if not self.samples:
             raise ValueError("at least one sample review is needed (--sample)")
         if not all(isinstance(s, str) for s in self.samples):

@@ -22,10 +22,18 @@ import numpy as np
 import tensorflow as tf
 
 from common.mesh import single_device_mesh
-from common.model import CLASS_NAMES, PARAMETERS, STATISTICS, ModelConfig, mlp_forward
-from common.vectorizer import VOCABULARY_FILE, load_vectorizer
+from common.model import CLASS_NAMES, PARAMETERS, STATISTICS, ModelConfig, mlp_forward, restore_model
+from common.run_dir import (
+    CHECKPOINT_DIR,
+    MODEL_FILE,
+    TMP_PREFIX,
+    RunDirError,
+    checkpoint_path,
+    clean_leftovers,
+    read_best,
+)
+from common.vectorizer import VOCABULARY_FILE, TfIdf, load_vectorizer
 from export.config import ExportConfig
-from train.trainer import CHECKPOINT_DIR, METRICS_FILE, MODEL_FILE, TrainingError, checkpoint_path, restore_model
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +44,7 @@ CLASSIFY_METHOD = "tensorflow/serving/classify"
 WARMUP_FILE = "tf_serving_warmup_requests"
 EXPORT_INFO_FILE = "export_info.json"
 ASSETS_EXTRA = "assets.extra"
-TMP_PREFIX = ".tmp-"
+TEST_FILE = "test.json"
 TOLERANCE = 1e-5
 """Largest difference allowed between the saved model and the model it was built from."""
 
@@ -60,7 +68,10 @@ class ExportResult:
     checkpoint: str
     """The checkpoint prefix the weights came from."""
     step: int | None
+    validation_accuracy: float | None
+    """The checkpoint's validation accuracy, when it is the run's best (best.json)."""
     test_accuracy: float | None
+    """The test split's accuracy of this checkpoint, when the run measured it (test.json)."""
     samples: list[Prediction]
     """The config's samples as the saved model (loaded back from disk) classifies them."""
 
@@ -80,17 +91,19 @@ class PlainMLP(tf.Module):
 
 
 class SentimentModel(tf.Module):
-    """Text in, sentiment out: TextVectorization + MLP, in inference mode (moving BatchNorm statistics,
-    so a review's prediction never depends on the rest of its batch)."""
+    """Text in, sentiment out: the training run's TF-IDF vectorizer (its cleaning included) + MLP, in
+    inference mode (moving BatchNorm statistics, so a review's prediction never depends on the rest
+    of its batch). The first layer multiplies the sparse TF-IDF rows: a review touches a few hundred
+    of the vocabulary's n-grams, not all of them."""
 
-    def __init__(self, vectorizer, mlp: PlainMLP) -> None:  # noqa: ANN001 - a keras TextVectorization
+    def __init__(self, vectorizer: TfIdf, mlp: PlainMLP) -> None:
         super().__init__(name="sentiment")
         self.vectorizer = vectorizer
         self.mlp = mlp
         self.class_names = tf.constant(CLASS_NAMES)
 
     def _logits(self, text: tf.Tensor) -> tf.Tensor:
-        return self.mlp(tf.cast(self.vectorizer(text), tf.float32))
+        return self.mlp(self.vectorizer.sparse(text))
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
     def serve(self, text: tf.Tensor) -> dict[str, tf.Tensor]:
@@ -116,7 +129,7 @@ def next_version(model_dir: Path) -> int:
     return max(versions, default=0) + 1
 
 
-def _check_run_dir(run_dir: Path, checkpoint: str | None) -> tuple[str, ModelConfig]:
+def _check_run_dir(run_dir: Path, checkpoint: str) -> tuple[str, ModelConfig]:
     """The checkpoint prefix to export and the model config, or an ExportError saying what is wrong."""
     if not run_dir.is_dir():
         raise ExportError(f"--checkpoint-dir {run_dir} does not exist")
@@ -127,7 +140,7 @@ def _check_run_dir(run_dir: Path, checkpoint: str | None) -> tuple[str, ModelCon
         )
     try:
         prefix = checkpoint_path(run_dir, checkpoint)
-    except TrainingError as exc:
+    except RunDirError as exc:
         raise ExportError(f"--checkpoint-dir {run_dir}: {exc}") from None
     for name in (MODEL_FILE, VOCABULARY_FILE):
         if not (run_dir / name).is_file():
@@ -137,13 +150,13 @@ def _check_run_dir(run_dir: Path, checkpoint: str | None) -> tuple[str, ModelCon
     except (ValueError, TypeError) as exc:
         raise ExportError(f"{run_dir / MODEL_FILE} is not a valid model config: {exc}") from None
     try:
-        vocabulary_tokens = json.loads((run_dir / VOCABULARY_FILE).read_text(encoding="utf-8"))["max_tokens"]
+        vocabulary_width = json.loads((run_dir / VOCABULARY_FILE).read_text(encoding="utf-8"))["width"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ExportError(f"{run_dir / VOCABULARY_FILE} is not a valid vocabulary file: {exc!r}") from None
-    if vocabulary_tokens != model_config.max_tokens:
+    if vocabulary_width != model_config.max_tokens:
         raise ExportError(
-            f"{run_dir / VOCABULARY_FILE} has max_tokens {vocabulary_tokens} but {run_dir / MODEL_FILE} "
-            f"has {model_config.max_tokens}: they come from different runs"
+            f"{run_dir / VOCABULARY_FILE} is {vocabulary_width} n-grams wide but {run_dir / MODEL_FILE} "
+            f"expects {model_config.max_tokens}: they come from different runs"
         )
     return prefix, model_config
 
@@ -169,26 +182,25 @@ def _check_shapes(prefix: str, model_config: ModelConfig, model_file: Path) -> N
             )
 
 
-def _checkpoint_stats(run_dir: Path, prefix: str) -> tuple[int | None, float | None]:
-    """(step, test accuracy) of the checkpoint, from its progress counter and metrics.jsonl."""
-    try:
-        step = int(tf.train.load_variable(prefix, "progress/step/.ATTRIBUTES/VARIABLE_VALUE"))
-    except (tf.errors.OpError, ValueError):
-        return None, None
-    accuracy = None
-    metrics = run_dir / METRICS_FILE
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("step") == step:
-                accuracy = record.get("test_accuracy")
-    return step, accuracy
+def _checkpoint_stats(run_dir: Path, prefix: str) -> tuple[int | None, float | None, float | None]:
+    """(step, validation accuracy, test accuracy) of the checkpoint, from best.json and test.json."""
+    name = Path(prefix).name
+    step = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else None
+    best = read_best(run_dir) or {}
+    validation = best.get("validation_accuracy") if best.get("checkpoint") == name else None
+    test = None
+    path = run_dir / TEST_FILE
+    if path.is_file():
+        try:
+            record = json.loads(path.read_text())
+        except ValueError:
+            record = {}
+        if record.get("checkpoint") == name:
+            test = record.get("test_accuracy")
+    return step, validation, test
 
 
-def build_serving_model(run_dir: Path, checkpoint: str | None = None) -> SentimentModel:
+def build_serving_model(run_dir: Path, checkpoint: str = "best") -> SentimentModel:
     """Restore a checkpoint onto a 1-device mesh and wrap its values in a plain-variable SentimentModel."""
     model = restore_model(run_dir, single_device_mesh(), checkpoint)
     mlp = PlainMLP(model.numpy_weights(), model.config.bn_epsilon)
@@ -260,13 +272,14 @@ def export_model(config: ExportConfig) -> ExportResult:
     final = model_dir / str(version)
     if final.exists():
         raise ExportError(f"{final} exists already: versions are never overwritten; pick another --version")
-    step, test_accuracy = _checkpoint_stats(run_dir, prefix)
+    step, validation_accuracy, test_accuracy = _checkpoint_stats(run_dir, prefix)
 
-    module = build_serving_model(run_dir, config.checkpoint)
+    module = build_serving_model(run_dir, Path(prefix).name)
     log.info("restored %s (step %s); writing %s", prefix, step, final)
 
     created_model_dir = not model_dir.exists()
     model_dir.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(model_dir)  # .tmp-* directories of exports that were killed
     tmp = model_dir / f"{TMP_PREFIX}{version}-{os.getpid()}"
     try:
         tf.saved_model.save(
@@ -284,9 +297,11 @@ def export_model(config: ExportConfig) -> ExportResult:
         info = {
             "checkpoint": str(Path(prefix).resolve()),
             "step": step,
+            "validation_accuracy": validation_accuracy,
             "test_accuracy": test_accuracy,
             "model": json.loads((run_dir / MODEL_FILE).read_text()),
-            "vocabulary_size": len(module.vectorizer.get_vocabulary()),
+            "vocabulary_size": len(module.vectorizer.vocabulary),
+            "vectorizer": {k: v for k, v in module.vectorizer.state().items() if k not in ("vocabulary", "idf")},
             "class_names": list(CLASS_NAMES),
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
@@ -303,7 +318,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         if created_model_dir and not any(model_dir.iterdir()):
             model_dir.rmdir()
     log.info("exported version %d to %s", version, final)
-    return ExportResult(final, version, prefix, step, test_accuracy, samples)
+    return ExportResult(final, version, prefix, step, validation_accuracy, test_accuracy, samples)
 
 
 def describe_signatures(saved_model_dir: Path) -> str:
