@@ -17,6 +17,7 @@ from common.run_dir import (
     BEST_FILE,
     CHECKPOINT_DIR,
     atomic_write_json,
+    atomic_write_text,
     checkpoint_prefix,
     checkpoint_steps,
     read_best,
@@ -66,7 +67,7 @@ class CheckpointStore:
             if step not in kept and step != best_step:
                 remove_checkpoint(self.run_dir, step)
         remaining = sorted(set(kept) | ({best_step} if best_step in steps else set()))
-        tf.compat.v1.train.update_checkpoint_state(
-            str(self.directory), checkpoint_prefix(self.run_dir, steps[-1]),
-            all_model_checkpoint_paths=[checkpoint_prefix(self.run_dir, s) for s in remaining],
-        )
+        # TensorFlow's CheckpointState text format, written directly: its writer is deprecated.
+        lines = [f'model_checkpoint_path: "ckpt-{steps[-1]}"']
+        lines += [f'all_model_checkpoint_paths: "ckpt-{s}"' for s in remaining]
+        atomic_write_text(self.directory / "checkpoint", "\n".join(lines) + "\n")
