@@ -94,29 +94,3 @@ class TrainState:
         losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         correct = tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32)
         return tf.reduce_sum(losses * real), tf.reduce_sum(correct * real)
-
-    @tf.function
-    def train_steps(self, iterator, num_steps: int) -> tuple[tf.Tensor, tf.Tensor]:
-        """`num_steps` train steps in one call (sums of batch losses and accuracies).
-
-        Looping inside the graph removes the per-step Python dispatch, which on a mesh of
-        virtual devices costs several times the step itself. `num_steps` is a Python int, so each
-        distinct value traces once (in practice: steps_per_call and one remainder).
-        """
-        loss_sum = acc_sum = tf.constant(0.0)
-        for _ in tf.range(num_steps):
-            x, y = next(iterator)
-            loss, accuracy = self.train_step(x, y)
-            loss_sum += loss
-            acc_sum += accuracy
-        return loss_sum, acc_sum
-
-    @tf.function
-    def eval_steps(self, iterator, num_steps: int) -> tuple[tf.Tensor, tf.Tensor]:
-        loss_sum = correct = tf.constant(0.0)
-        for _ in tf.range(num_steps):
-            x, y = next(iterator)
-            batch_loss, batch_correct = self.eval_step(x, y)
-            loss_sum += batch_loss
-            correct += batch_correct
-        return loss_sum, correct

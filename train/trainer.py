@@ -16,6 +16,7 @@ TensorBoard, logs). Interrupts (SIGINT/SIGTERM) are checkpointed at the last fin
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -204,7 +205,7 @@ def _train_epoch(state: TrainState, batches: Batches, split: Split, progress: di
     started = time.perf_counter()
     try:
         for num_steps in chunks(todo, config.steps_per_call):
-            losses, accuracies = state.train_steps(iterator, num_steps)
+            losses, accuracies = _sum_steps(state.train_step, iterator, num_steps)
             previous = progress["step"]
             progress["step"] += num_steps
             progress["examples_in_epoch"] += num_steps * G
@@ -272,13 +273,21 @@ def _save(state: TrainState, store: CheckpointStore, progress: dict, best: dict 
 
 def evaluate(state: TrainState, batches: Batches, split: Split) -> tuple[float, float]:
     """(mean loss, accuracy) of the model (inference mode) over a whole split."""
-    iterator, num_batches, _ = batches.evaluation(split)
-    loss_sum = correct = 0.0
-    for num_steps in chunks(num_batches, batches.config.steps_per_call):
-        batch_loss, batch_correct = state.eval_steps(iterator, num_steps)
-        loss_sum += float(to_host(batch_loss))
-        correct += float(to_host(batch_correct))
-    return loss_sum / len(split.texts), correct / len(split.texts)
+    iterator = batches.evaluation(split)
+    loss_sum, correct = _sum_steps(state.eval_step, iterator, None)
+    return float(to_host(loss_sum)) / len(split.texts), float(to_host(correct)) / len(split.texts)
+
+
+def _sum_steps(step, iterator: Iterator, num_steps: int | None) -> tuple[tf.Tensor, tf.Tensor]:  # noqa: ANN001
+    """Run `step` on the next `num_steps` batches (all when None); the sums of its two outputs.
+
+    The sums stay on the mesh, so steps are dispatched back to back and the host waits once.
+    """
+    first = second = None
+    for x, y in itertools.islice(iterator, num_steps):
+        a, b = step(x, y)
+        first, second = (a, b) if first is None else (first + a, second + b)
+    return first, second
 
 
 def _test(state: TrainState, batches: Batches, test: Split, progress: dict, store: CheckpointStore, report: Report,
