@@ -90,9 +90,8 @@ def reference(trained_run):
     from tensorflow.experimental import dtensor
 
     from common.mesh import single_device_mesh
-    from common.model import to_mesh
+    from common.model import restore_model, to_mesh
     from common.vectorizer import load_vectorizer, vectorize
-    from train.trainer import restore_model
 
     model = restore_model(trained_run, single_device_mesh())
     x = vectorize(load_vectorizer(trained_run), TEXTS)
@@ -171,13 +170,18 @@ def test_warmup_records_are_prediction_logs(exported):
     assert len(tf.make_ndarray(records[0].predict_log.request.inputs["text"])) == len(DEFAULT_SAMPLES)
 
 
-def test_export_info_names_the_checkpoint(exported, trained_run):
+def test_export_info_names_the_best_checkpoint(exported, trained_run):
     info = json.loads((exported.path / "assets.extra" / "export_info.json").read_text())
-    last = json.loads((trained_run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert (info["step"], info["test_accuracy"]) == (last["step"], last["test_accuracy"])
-    assert info["checkpoint"] == str((trained_run / "checkpoints" / f"ckpt-{last['step']}").resolve())
-    assert (exported.step, exported.test_accuracy) == (last["step"], last["test_accuracy"])
+    best = json.loads((trained_run / "best.json").read_text())
+    test = json.loads((trained_run / "test.json").read_text())
+    step = int(best["checkpoint"].rsplit("-", 1)[1])
+    assert (info["step"], info["validation_accuracy"], info["test_accuracy"]) == (
+        step, best["validation_accuracy"], test["test_accuracy"])
+    assert info["checkpoint"] == str((trained_run / "checkpoints" / best["checkpoint"]).resolve())
+    assert (exported.step, exported.test_accuracy) == (step, test["test_accuracy"])
     assert info["model"] == json.loads((trained_run / "model.json").read_text())
+    assert info["vectorizer"]["ngrams"] == TINY_TRAIN["ngrams"]
+    assert info["vectorizer"]["width"] == info["model"]["max_tokens"]
 
 
 # -- versions ------------------------------------------------------------------------------------
@@ -190,6 +194,8 @@ def test_versions_count_up_and_are_never_overwritten(trained_run, tmp_path):
     assert _export(trained_run, base, version=7).path == base / "7"
     step = json.loads((trained_run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     assert _export(trained_run, base, checkpoint=f"ckpt-{step}").version == 8
+    (base / ".tmp-9-999999").mkdir()  # left by an export that was killed (no such process)
+    assert _export(trained_run, base).version == 9 and not (base / ".tmp-9-999999").exists()
     before = _listing(base)
     with pytest.raises(ExportError, match=r"7 exists already"):
         _export(trained_run, base, version=7)
@@ -240,7 +246,7 @@ def _run_copy(trained_run: Path, dest: Path) -> Path:
     ("no vocabulary", r"vocabulary.json is missing"),
     ("incompatible shape",
      rf"does not match .*model\.json: model/dense1_kernel has shape \[{TOKENS}, 16\] in the checkpoint but \[{TOKENS}, 8\]"),
-    ("other vocabulary", rf"vocabulary.json has max_tokens {TOKENS} but .*model.json has 128"),
+    ("other vocabulary", rf"vocabulary.json is {TOKENS} n-grams wide but .*model.json expects 128"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_nothing(trained_run, tmp_path, case, message):
     from export import ExportError
@@ -271,7 +277,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(trained_run, tmp_path, ca
 @pytest.mark.parametrize("kwargs, message", [
     ({"version": 0}, "--version must be at least 1"),
     ({"samples": ()}, "at least one sample"),
-    ({"checkpoint": "../ckpt-1"}, "--checkpoint must be a checkpoint name"),
+    ({"checkpoint": "../ckpt-1"}, "--checkpoint must be best, latest or a name"),
 ])
 def test_config_is_validated(kwargs, message):
     from export import ExportConfig

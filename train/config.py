@@ -37,7 +37,7 @@ class TrainConfig:
     normalize: bool = option(True, "scale every review's TF-IDF row to unit length")
     min_df: int = option(2, "keep n-grams found in at least this many training reviews")
     hidden: int = option(64, "hidden units")
-    dropout: float = option(0.5, "dropout rate on the hidden layer while training (0: none)")
+    dropout: float = option(0.7, "dropout rate on the hidden layer while training (0: none)")
     bn_momentum: float = option(0.9, "BatchNorm moving-statistics momentum")
 
     devices: int = option(8, "number of devices in the mesh (virtual CPUs, or GPUs when present)")
@@ -51,18 +51,18 @@ class TrainConfig:
     )
 
     optimizer: Literal["adam", "sgd"] = option("adam", "optimizer")
-    learning_rate: float = option(1e-3, "learning rate")
+    learning_rate: float = option(2e-4, "learning rate")
     weight_decay: float = option(0.0, "decoupled weight decay of the kernels, per step and unit learning rate (AdamW)")
     momentum: float = option(0.0, "SGD momentum (0 = plain SGD)")
-    epochs: int = option(4, "most passes over the training split (fewer when --patience stops it)")
+    epochs: int = option(5, "most passes over the training split (fewer when --patience stops it)")
     patience: int = option(1, "stop after this many epochs without a better validation score (0: never)")
     batch_size: int = option(64, "global batch size; must divide by the mesh's batch dimension")
     seed: int = option(0, "seed for initial weights, dropout, the validation split and data order")
     max_steps: int | None = option(None, "stop after this many steps in total (for quick runs)")
     steps_per_call: int = option(
         20,
-        "train steps run inside one compiled call (fewer Python round trips; progress and "
-        "interrupts are handled between calls)",
+        "train steps dispatched between two looks from the host (progress bar, interrupts, "
+        "--checkpoint-every): the host waits for the mesh once per this many steps",
     )
 
     keep_checkpoints: int = option(2, "latest checkpoints to keep (the best one is always kept too)")
