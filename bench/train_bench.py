@@ -1,23 +1,28 @@
-"""Training benchmark: throughput and peak memory of every strategy, beside two baselines.
+"""Training benchmark: examples/s and peak memory of every strategy, beside two baselines.
 
-    python bench/train_bench.py [--seconds 8] [--steps-per-call 20] [--batch-size 64]
+    python bench/train_bench.py [--seconds 20] [--config default,tutorial] [--only NAMES] [--breakdown]
 
-Measures, in one run, on the bundled corpus (TF-IDF 1200 -> 64 hidden -> 2, Adam):
-  - DTensor, the project's trainer (`TrainState.train_steps` over a DTensorDataset, several steps
-    per compiled call): data / model / spatial on 8 virtual CPUs, and data on 2 and 1 device(s);
-  - (a) the DTensor tutorial's input path on the same data meshes (8, 2, 1 devices): every batch
-    split in Python and packed per device (`repack_local_tensor` + `dtensor.pack`), one step per
-    call; "vs (a)" compares a DTensor row with (a) on the same number of devices;
-  - (b) a plain single-device loop: the same math (`common.model`) on tf.Variables, the same Adam,
-    a tf.function running the same number of steps per call; the practical limit of this machine.
-Each configuration runs in its own process (devices are fixed once TensorFlow starts); peak RSS
-is that process's own `ru_maxrss`, read as it finishes. Throughput excludes tracing (one warm-up call); examples/s counts
-training rows. Figures depend on the load of the machine: its load average is printed.
+For each model configuration (`default`: python -m train's defaults, a 100k uni+bigram TF-IDF
+vocabulary; `tutorial`: the DTensor tutorial's 1,200 unigrams) it measures, on the same reviews
+(IMDB's training reviews when ../shared/data/imdb exists, else the bundled corpus), each in a
+process of its own (devices are fixed once TensorFlow starts):
+  - DTensor, the project's trainer (`TrainState.train_step` over the real input pipeline,
+    `train.pipeline.Batches`: a batch vectorized at a time, cut per device and packed; the host waits
+    once every --steps-per-call steps) on 8 virtual CPUs with the feature (default), data, model and
+    spatial strategies, and data parallel on 2 and 1 devices;
+  - (a) the DTensor tutorial's input path on a data-parallel mesh of 8: every batch split in Python
+    and packed per device (`dtensor.pack`), one step per call;
+  - (b) a plain single-device loop: the same math (`common.model`), the same Adam, the same input
+    pipeline, on tf.Variables, several steps per call: the practical limit of this machine.
+Throughput excludes the first (tracing) call. `--breakdown` also times, for each DTensor strategy,
+the compiled step alone on a batch already on the mesh and the input alone, to show which one
+bounds a step.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -28,18 +33,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+IMDB = REPO.parent / "shared" / "data" / "imdb" / "train.jsonl.gz"
 
+SETTINGS = {
+    "default": dict(max_tokens=100_000, ngrams=2, sublinear_tf=True, normalize=True, min_df=2),
+    "tutorial": dict(max_tokens=1200, ngrams=1, sublinear_tf=False, normalize=False, min_df=1),
+}
 # name -> (kind, devices, mesh)
 CONFIGS: dict[str, tuple[str, int, str | None]] = {
+    "dtensor feature x8": ("dtensor", 8, "feature=8"),
     "dtensor data x8": ("dtensor", 8, "batch=8"),
     "dtensor model x8": ("dtensor", 8, "batch=4,model=2"),
     "dtensor spatial x8": ("dtensor", 8, "batch=2,feature=2,model=2"),
     "dtensor data x2": ("dtensor", 2, "batch=2"),
     "dtensor data x1": ("dtensor", 1, "batch=1"),
     "(a) tutorial repack x8": ("repack", 8, "batch=8"),
-    "(a) tutorial repack x2": ("repack", 2, "batch=2"),
-    "(a) tutorial repack x1": ("repack", 1, "batch=1"),
     "(b) plain 1 device": ("plain", 1, None),
 }
 
@@ -54,87 +62,107 @@ def _timed(run_call, steps_per_call: int, seconds: float) -> dict:
     while calls < 3 or time.perf_counter() - started < seconds:
         run_call()
         calls += 1
-    elapsed = time.perf_counter() - started
-    return {"steps": calls * steps_per_call, "seconds": elapsed}
+    return {"steps": calls * steps_per_call, "seconds": time.perf_counter() - started}
 
 
-def worker(kind: str, devices: int, mesh_spec: str | None, data_file: str, args: argparse.Namespace) -> dict:
-    import numpy as np
-
+def worker(kind: str, devices: int, mesh_spec: str | None, run_dir: str, args: argparse.Namespace) -> dict:
     from common.mesh import configure_devices
 
     configure_devices(devices, "CPU")  # before TensorFlow runs anything
+    import numpy as np
     import tensorflow as tf
 
-    arrays = np.load(data_file)
-    x, y = arrays["x"], arrays["y"]
-    G, K = args.batch_size, args.steps_per_call
-    # Endless, shuffled rows: the iterators below are never run to their end (DTensorDataset's end
-    # poisons the executor), and the timing never waits for a new epoch's pipeline.
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(y), seed=0).repeat()
+    from common.vectorizer import load_vectorizer
+    from train.config import TrainConfig
 
+    texts = json.loads((Path(run_dir) / "texts.json").read_text())
+    labels = np.array([i % 2 for i in range(len(texts))], np.int64)  # labels do not change the cost
+    vectorizer = load_vectorizer(Path(run_dir))
+    G, K = args.batch_size, args.steps_per_call
     if kind == "plain":
-        return _plain(dataset, args, np, tf)
+        return _plain(vectorizer, texts, labels, args, np, tf)
 
     from tensorflow.experimental import dtensor
 
-    from common.mesh import build_mesh, parse_mesh
-    from common.model import ModelConfig
-    from train.config import TrainConfig
-    from train.trainer import TrainState
+    from common.mesh import build_mesh
+    from common.mesh_spec import parse_mesh
+    from train.pipeline import Batches
+    from train.state import TrainState
 
     mesh = build_mesh(parse_mesh(mesh_spec), "CPU")
     config = TrainConfig(devices=devices, mesh=mesh_spec, batch_size=G, steps_per_call=K, hidden=args.hidden,
-                         max_tokens=x.shape[1])
-    state = TrainState(ModelConfig(max_tokens=x.shape[1], hidden=args.hidden), mesh, config)
+                         dropout=0.0, progress=False)
+    state = TrainState(config.model_config(vectorizer.width), mesh, config)
     layouts = state.model.layouts
 
     if kind == "dtensor":
-        iterator = iter(dtensor.DTensorDataset(
-            dataset=dataset, mesh=mesh, layouts=(layouts.inputs, layouts.labels), global_batch_size=G,
-            batch_dim="batch", prefetch=2,
-        ))
+        batches = Batches(mesh, layouts, vectorizer, config)
 
-        def run_call() -> None:
-            loss, _ = state.train_steps(iterator, K)
-            dtensor.unpack(loss)[0].numpy()  # wait for the call to finish
+        def forever():  # noqa: ANN202 - the trainer's iterator, restarted at the end of the reviews
+            while True:
+                yield from batches.iterator(texts, labels, G)
 
-        return _timed(run_call, K, args.seconds)
+        iterator = forever()
 
-    # (a) The tutorial: batches come to Python, are split per device and packed, one step per call.
-    def repack_local_tensor(value, layout):  # noqa: ANN001 - the tutorial's function, verbatim logic
-        value = tf.convert_to_tensor(value)
-        sharded_dims = []
-        queue = [value]
-        for axis, dim in enumerate(layout.sharding_specs):
-            if dim == dtensor.UNSHARDED:
-                continue
-            num_splits = layout.shape[axis]
-            queue = tf.nest.map_structure(lambda t: tf.split(t, num_splits, axis=axis), queue)
-            sharded_dims.append(dim)
-        components = []
-        for locations in layout.mesh.local_device_locations():
-            t = queue[0]
-            for dim in sharded_dims:
-                t = t[locations[dim]]
-            components.append(t)
-        return dtensor.pack(components, layout)
+        def run_call() -> None:  # what train.trainer does: K steps back to back, then one host wait
+            total = None
+            for x, y in itertools.islice(iterator, K):
+                loss, _ = state.train_step(x, y)
+                total = loss if total is None else total + loss
+            dtensor.unpack(total)[0].numpy()
 
-    batches = iter(dataset.batch(G, drop_remainder=True).prefetch(2))
+        result = _timed(run_call, K, args.seconds)
+        if args.breakdown:
+            result.update(_breakdown(state, iterator, K, args.seconds / 2))
+        return result
+
+    # (a) The tutorial: a batch comes to Python, is split per device and packed, one step per call.
+    host = tf.data.Dataset.from_tensor_slices((texts, labels)).repeat().batch(G, drop_remainder=True)
+    host = iter(host.map(lambda t, y: (vectorizer.dense(t), y), num_parallel_calls=tf.data.AUTOTUNE).prefetch(2))
+
+    def pack(value, layout):  # noqa: ANN001 - the tutorial's repack_local_tensor, for a batch-sharded layout
+        parts = tf.split(value, layout.mesh.dim_size("batch"), axis=0)
+        return dtensor.pack(parts, layout)
 
     def run_step() -> None:
-        bx, by = next(batches)
-        loss, _ = state.train_step(repack_local_tensor(bx, layouts.inputs), repack_local_tensor(by, layouts.labels))
+        bx, by = next(host)
+        loss, _ = state.train_step(pack(bx, layouts.inputs), pack(by, layouts.labels))
         dtensor.unpack(loss)[0].numpy()
 
     return _timed(run_step, 1, args.seconds)
 
 
-def _plain(dataset, args: argparse.Namespace, np, tf) -> dict:  # noqa: ANN001
-    """(b): the same forward math and Adam on plain variables on one device."""
+def _breakdown(state, iterator, steps: int, seconds: float) -> dict:  # noqa: ANN001
+    """Where a step's time goes: the compiled step alone on one batch already on the mesh, and the
+    input alone (vectorize on the host, cut per device, `dtensor.pack`). TensorFlow's profiler sees no
+    op-level events inside a DTensor program on CPU, so the split is measured by taking it apart."""
+    from tensorflow.experimental import dtensor
+
+    x, y = next(iterator)
+
+    def train_only() -> None:
+        total = None
+        for _ in range(steps):
+            loss, _ = state.train_step(x, y)
+            total = loss if total is None else total + loss
+        dtensor.unpack(total)[0].numpy()
+
+    def input_only() -> None:
+        for bx, _ in itertools.islice(iterator, steps):
+            pass
+        dtensor.unpack(bx)[0].numpy()
+
+    train = _timed(train_only, steps, seconds)
+    data = _timed(input_only, steps, seconds)
+    return {"train_ms_per_step": 1e3 * train["seconds"] / train["steps"],
+            "input_ms_per_step": 1e3 * data["seconds"] / data["steps"]}
+
+
+def _plain(vectorizer, texts, labels, args: argparse.Namespace, np, tf) -> dict:  # noqa: ANN001
+    """(b): the same forward math and Adam on plain variables on one device, the same input pipeline."""
     from common.model import PARAMETERS, ModelConfig, hidden_activations, initial_values, mlp_head
 
-    config = ModelConfig(max_tokens=dataset.element_spec[0].shape[0], hidden=args.hidden)
+    config = ModelConfig(max_tokens=vectorizer.width, hidden=args.hidden)
     variables = {name: tf.Variable(value, name=name) for name, value in initial_values(config, 0).items()}
     params = [variables[name] for name in PARAMETERS]
     m = [tf.Variable(tf.zeros_like(p)) for p in params]
@@ -168,36 +196,50 @@ def _plain(dataset, args: argparse.Namespace, np, tf) -> dict:  # noqa: ANN001
             total += step(x, y)
         return total
 
-    K = args.steps_per_call
-    iterator = iter(dataset.batch(args.batch_size, drop_remainder=True).prefetch(2))
+    K, G = args.steps_per_call, args.batch_size
+    ds = tf.data.Dataset.from_tensor_slices((texts, labels)).repeat().batch(G, drop_remainder=True)
+    ds = ds.map(lambda t, y: (vectorizer.dense(t), y), num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
+    iterator = iter(ds)
     return _timed(lambda: steps(iterator, K).numpy(), K, args.seconds)
 
 
 # -- the driver -----------------------------------------------------------------------------------
 
 
-def prepare_data(path: Path, max_tokens: int) -> int:
-    """Vectorize the bundled training split once (in a child, so this process stays TF-free)."""
+def prepare(run_dir: Path, settings: dict, examples: int) -> tuple[int, int, str]:
+    """Reviews and their vocabulary, written for the workers (in a child: this process stays TF-free)."""
     code = f"""
-import numpy as np
-from common.vectorizer import adapt_vectorizer, vectorize
+import gzip, json
+from pathlib import Path
+from common.vectorizer import VectorizerSettings, build_vocabulary, save_vectorizer
 from train.data import load_data
-data = load_data("bundled", seed=0)
-vec = adapt_vectorizer(data.train.texts, {max_tokens})
-np.savez({str(path)!r}, x=vectorize(vec, data.train.texts), y=data.train.labels.astype(np.int64))
-print(len(data.train.texts))
+imdb = Path({str(IMDB)!r})
+if imdb.is_file():
+    texts = [json.loads(l)["text"] for l in gzip.open(imdb, "rt", encoding="utf-8")]
+    source = f"IMDB training reviews"
+else:
+    texts = load_data("bundled").train.texts
+    source = "the bundled corpus"
+settings = {settings!r}
+max_tokens = settings.pop("max_tokens")
+vec = build_vocabulary(texts, max_tokens, VectorizerSettings(**settings))
+save_vectorizer(vec, Path({str(run_dir)!r}))
+Path({str(run_dir)!r}, "texts.json").write_text(json.dumps(texts[:{examples}]))
+print(json.dumps([len(texts), vec.width, source]))
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True)
-    return int(out.stdout.split()[-1])
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def run_config(name: str, data_file: Path, args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--worker", name, "--data-file", str(data_file),
+def run_config(name: str, run_dir: Path, args: argparse.Namespace) -> dict:
+    command = [sys.executable, __file__, "--worker", name, "--run-dir", str(run_dir),
                "--seconds", str(args.seconds), "--steps-per-call", str(args.steps_per_call),
                "--batch-size", str(args.batch_size), "--hidden", str(args.hidden)]
+    if args.breakdown:
+        command.append("--breakdown")
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out, err = proc.communicate(timeout=args.seconds + 240)
+        out, err = proc.communicate(timeout=args.seconds + 600)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
@@ -213,70 +255,64 @@ def run_config(name: str, data_file: Path, args: argparse.Namespace) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=8.0, help="timed seconds per configuration")
+    parser.add_argument("--seconds", type=float, default=20.0, help="timed seconds per configuration")
     parser.add_argument("--steps-per-call", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=1200)
+    parser.add_argument("--examples", type=int, default=4096, help="reviews cycled through while timing")
+    parser.add_argument("--config", default="default,tutorial", help="model configurations: default, tutorial")
     parser.add_argument("--only", default=None, help="comma-separated configuration names")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each DTensor strategy's compiled step and its input alone")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--data-file", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
         import resource
 
+        from common.quiet import quiet_tensorflow
+
+        quiet_tensorflow([])
         kind, devices, mesh = CONFIGS[args.worker]
-        result = worker(kind, devices, mesh, args.data_file, args)
+        result = worker(kind, devices, mesh, args.run_dir, args)
         result["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print(json.dumps(result))
         return 0
 
+    from common.quiet import quiet_tensorflow
+
+    quiet_tensorflow([])
     names = args.only.split(",") if args.only else list(CONFIGS)
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        data_file = Path(tmp) / "train.npz"
-        rows = prepare_data(data_file, args.max_tokens)
-        print(f"bundled corpus: {rows} training rows x {args.max_tokens} TF-IDF features, hidden {args.hidden}, "
-              f"batch {args.batch_size}, {args.steps_per_call} steps/call (DTensor and (b)); "
-              f"{os.cpu_count()} CPU core(s); load average {load_before[0]:.1f}")
-        results = {}
-        for name in names:
-            results[name] = run_config(name, data_file, args)
-            r = results[name]
-            print(f"  measured {name}: {r['examples_per_s']:.0f} examples/s", file=sys.stderr, flush=True)
-    load_after = os.getloadavg()
-
-    b = results.get("(b) plain 1 device", {}).get("examples_per_s")
-
-    def baseline_a(name: str) -> float | None:
-        devices = CONFIGS[name][1]
-        return results.get(f"(a) tutorial repack x{devices}", {}).get("examples_per_s")
-
-    print()
-    print(f"{'configuration':<24} {'steps/s':>9} {'examples/s':>11} {'peak RSS MB':>12} {'vs (a)':>8} {'vs (b)':>8}")
-    for name, r in results.items():
-        a = baseline_a(name) if CONFIGS[name][0] != "repack" else None
-        vs_a = f"{r['examples_per_s'] / a:.2f}x" if a else "-"
-        vs_b = f"{100 * r['examples_per_s'] / b:.0f}%" if b else "-"
-        print(f"{name:<24} {r['steps_per_s']:>9.1f} {r['examples_per_s']:>11.0f} {r['peak_rss_mb']:>12.0f} "
-              f"{vs_a:>8} {vs_b:>8}")
-    print(f"load average after: {load_after[0]:.1f}")
-
-    data_rows = {n: r["examples_per_s"] for n, r in results.items() if n.startswith("dtensor data")}
-    if b and data_rows:
-        print()
-        print("target: DTensor data parallel >= 80% of (b) and >= 2x (a)")
-        for name, eps in data_rows.items():
-            a = baseline_a(name)
-            vs_a = f", {eps / a:.1f}x (a) [{'met' if eps >= 2 * a else 'NOT met'}]" if a else ""
-            print(f"  {name}: {100 * eps / b:.0f}% of (b) [{'met' if eps >= 0.8 * b else 'NOT met'}]{vs_a}")
-        if "dtensor data x8" in data_rows and data_rows["dtensor data x8"] < 0.8 * b:
-            print("  On virtual CPUs every device shares the same cores and each step's all-reduces (one per\n"
-                  "  gradient, BatchNorm moments, loss) synchronise all of them, so more virtual devices make\n"
-                  "  a step slower, with or without DTensorDataset; the gain over (a) is the input path\n"
-                  "  and shows where the collectives do not dominate the step.")
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPU core(s), load average {os.getloadavg()[0]:.1f}; "
+          f"batch {args.batch_size}, hidden {args.hidden}, {args.steps_per_call} steps/call (DTensor and (b))")
+    for config_name in args.config.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            total, width, source = prepare(Path(tmp), dict(SETTINGS[config_name]), args.examples)
+            print(f"\n[{config_name}] {SETTINGS[config_name]}: vocabulary width {width} from {total} reviews of "
+                  f"{source}; timed on the first {args.examples}")
+            results = {}
+            for name in names:
+                results[name] = run_config(name, Path(tmp), args)
+                print(f"  measured {name}: {results[name]['examples_per_s']:.0f} examples/s", file=sys.stderr,
+                      flush=True)
+        _table(results)
     return 0
+
+
+def _table(results: dict[str, dict]) -> None:
+    b = results.get("(b) plain 1 device", {}).get("examples_per_s")
+    a = results.get("(a) tutorial repack x8", {}).get("examples_per_s")
+    print(f"  {'configuration':<24} {'steps/s':>8} {'examples/s':>11} {'peak RSS MB':>12} {'vs (a) x8':>10} "
+          f"{'vs (b)':>7}")
+    for name, r in results.items():
+        vs_a = f"{r['examples_per_s'] / a:.2f}x" if a and CONFIGS[name][0] == "dtensor" else "-"
+        vs_b = f"{100 * r['examples_per_s'] / b:.0f}%" if b else "-"
+        print(f"  {name:<24} {r['steps_per_s']:>8.1f} {r['examples_per_s']:>11.0f} {r['peak_rss_mb']:>12.0f} "
+              f"{vs_a:>10} {vs_b:>7}")
+        if "train_ms_per_step" in r:
+            print(f"    {1e3 / r['steps_per_s']:.0f} ms/step = compiled step alone {r['train_ms_per_step']:.0f} ms"
+                  f" + input alone (vectorize, cut, pack) {r['input_ms_per_step']:.0f} ms, less what overlaps")
 
 
 if __name__ == "__main__":

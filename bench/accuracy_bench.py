@@ -1,0 +1,136 @@
+"""Accuracy benchmark: the default training run against scikit-learn baselines on the same split.
+
+    python bench/accuracy_bench.py [--data TRAIN,TEST] [--short N] [-- extra python -m train flags]
+
+For each dataset it runs `python -m train` with the default configuration (a real process: the
+wall time covers vocabulary, training and evaluation; peak RSS is that process's own) and, in the
+same run, scikit-learn TF-IDF + logistic regression with the 1,200 most frequent unigrams and with
+all uni+bigrams (min_df 2, sublinear tf, C=4). Datasets:
+  - `--data` (default: the IMDB copy at ../shared/data/imdb when it exists, else the bundled corpus);
+  - with `--short N` also N short reviews made from it: the first sentence of each review, at most 30
+    words (a stand-in for one-line review data, to check the defaults are not tuned to long texts).
+scikit-learn is a bench extra: pip install -e ".[bench]".
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+IMDB = REPO.parent / "shared" / "data" / "imdb"
+
+
+def default_data() -> str:
+    if (IMDB / "train.jsonl.gz").is_file():
+        return f"{IMDB / 'train.jsonl.gz'},{IMDB / 'test.jsonl.gz'}"
+    return "bundled"
+
+
+def read_split(spec: str) -> tuple[list[str], list[int], list[str], list[int]]:
+    """The same train/test texts the trainer reads (its own loader), for the baselines."""
+    sys.path.insert(0, str(REPO))
+    from train.data import load_data
+
+    data = load_data(spec)
+    return data.train.texts, data.train.labels.tolist(), data.test.texts, data.test.labels.tolist()
+
+
+def make_short(spec: str, n: int, workdir: Path) -> str:
+    """First sentence (<= 30 words) of n training and n test reviews, as a train,test JSONL pair."""
+    train_x, train_y, test_x, test_y = read_split(spec)
+    paths = []
+    for name, texts, labels in (("train", train_x, train_y), ("test", test_x, test_y)):
+        path = workdir / f"short-{name}.jsonl.gz"
+        with gzip.open(path, "wt", encoding="utf-8") as handle:
+            for text, label in list(zip(texts, labels))[:n]:
+                first = re.split(r"(?<=[.!?])\s+|<br\s*/?>", text.strip(), maxsplit=1)[0]
+                handle.write(json.dumps({"text": " ".join(first.split()[:30]), "label": label}) + "\n")
+        paths.append(str(path))
+    return ",".join(paths)
+
+
+def run_training(spec: str, workdir: Path, extra: list[str]) -> dict:
+    run_dir = workdir / f"run-{abs(hash(spec))}"
+    cmd = [sys.executable, "-m", "train", "--data", spec, "--run-dir", str(run_dir), "--no-progress", *extra]
+    log = workdir / "train.log"
+    start = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"training failed:\n{log.read_text()[-3000:]}")
+    peak = usage.ru_maxrss / 1024  # MB
+    test = json.loads((run_dir / "test.json").read_text())
+    best = json.loads((run_dir / "best.json").read_text()) if (run_dir / "best.json").exists() else {}
+    epochs = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    return {"accuracy": test["test_accuracy"], "seconds": seconds, "peak_rss_mb": peak, "epochs": epochs,
+            "best": best.get("checkpoint"), "validation_accuracy": best.get("validation_accuracy")}
+
+
+def baselines(spec: str) -> dict[str, dict]:
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+
+    train_x, train_y, test_x, test_y = read_split(spec)
+    out = {}
+    for name, vectorizer, c in (
+        ("LR, 1,200 unigrams", TfidfVectorizer(max_features=1200), 1.0),
+        ("LR, uni+bigrams", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True), 4.0),
+    ):
+        start = time.perf_counter()
+        model = LogisticRegression(C=c, max_iter=2000).fit(vectorizer.fit_transform(train_x), train_y)
+        accuracy = model.score(vectorizer.transform(test_x), test_y)
+        out[name] = {"accuracy": accuracy, "seconds": time.perf_counter() - start}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=default_data(), help="train,test files or any --data of python -m train")
+    p.add_argument("--short", type=int, default=0, help="also N short reviews made from --data (0: not)")
+    p.add_argument("train_flags", nargs="*", help="extra flags for python -m train (after --)")
+    a = p.parse_args()
+    started = time.strftime("%Y-%m-%d %H:%M")
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        datasets = [("data", a.data)]
+        if a.short:
+            datasets.append((f"short ({a.short})", make_short(a.data, a.short, workdir)))
+        rows = []
+        for label, spec in datasets:
+            print(f"[{label}] training the default configuration ...", file=sys.stderr, flush=True)
+            ours = run_training(spec, workdir, a.train_flags)
+            print(f"[{label}] scikit-learn baselines ...", file=sys.stderr, flush=True)
+            rows.append((label, spec, ours, baselines(spec)))
+    print(f"\nAccuracy benchmark, {started}, {os.cpu_count()} CPU cores; python -m train with default flags"
+          f"{' + ' + ' '.join(a.train_flags) if a.train_flags else ''}")
+    for label, spec, ours, base in rows:
+        print(f"\n{label}: {spec}")
+        print(f"  {'model':<34} {'test accuracy':>13} {'wall time':>10} {'peak RSS':>9}")
+        print(f"  {'python -m train (default)':<34} {ours['accuracy']:>13.2%} {ours['seconds']:>9.0f}s "
+              f"{ours['peak_rss_mb']:>7.0f}MB   ({ours['epochs']} epochs, best {ours['best']}, "
+              f"validation {ours['validation_accuracy']:.2%})")
+        for name, result in base.items():
+            print(f"  {'scikit-learn ' + name:<34} {result['accuracy']:>13.2%} {result['seconds']:>9.0f}s")
+        best_lr = max(result["accuracy"] for result in base.values())
+        print(f"  vs best logistic regression: {ours['accuracy'] - best_lr:+.2%}")
+    label, spec, ours, _ = rows[0]
+    if spec.startswith(str(IMDB)):
+        checks = [("test accuracy >= 90.0%", ours["accuracy"] >= 0.90),
+                  ("wall time <= 10 min", ours["seconds"] <= 600),
+                  ("peak RSS <= 6 GB", ours["peak_rss_mb"] <= 6 * 1024)]
+        print("\nTargets (IMDB, default flags): " + "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in checks))
+
+
+if __name__ == "__main__":
+    main()
