@@ -73,6 +73,22 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
 
+    def in_flight(self) -> int:
+        """Requests the server is handling now (REST and gRPC), not counting this scrape itself."""
+        text = requests.get(self.url + "/monitoring/prometheus/metrics", timeout=5).text
+        line = next(line for line in text.splitlines() if line.startswith("serve_in_flight_requests "))
+        return int(float(line.split()[1])) - 1
+
+    def wait_in_flight(self, count: int, timeout: float = 20.0, at_least: bool = True) -> None:
+        """Poll until `count` requests (at least, or exactly) are being handled."""
+        end = time.monotonic() + timeout
+        while True:
+            now = self.in_flight()
+            if now >= count if at_least else now == count:
+                return
+            assert time.monotonic() < end, f"{now} request(s) in flight after {timeout}s, waiting for {count}"
+            time.sleep(0.02)
+
     def log(self) -> str:
         if not self._log.closed:
             self._log.flush()

@@ -153,13 +153,13 @@ def test_deadlines_and_overload(slow_server, transport):
     with pytest.raises(DeadlineExceeded) as info:
         SentimentClient(url, MODEL_NAME, transport=transport, timeout=0.3).predict(["too slow"])
     assert isinstance(info.value, TimeoutError)
-    time.sleep(2.2)  # let the abandoned call finish
+    slow_server.wait_in_flight(0, at_least=False)  # the abandoned call has finished
     # The server's deadline (504 / DEADLINE_EXCEEDED) and its full queue (429 / RESOURCE_EXHAUSTED).
     with futures.ThreadPoolExecutor(2) as pool:
         first = pool.submit(slow.predict, ["first"])
-        time.sleep(0.3)
+        slow_server.wait_in_flight(1)
         second = pool.submit(slow.predict, ["second"])  # waits for first (2 s), runs past its deadline (3 s)
-        time.sleep(0.3)
+        slow_server.wait_in_flight(2)
         with pytest.raises(ServerUnavailable, match="overloaded") as info:
             slow.predict(["third"])
         assert info.value.status == (429 if transport == "rest" else "RESOURCE_EXHAUSTED")
@@ -167,7 +167,7 @@ def test_deadlines_and_overload(slow_server, transport):
         with pytest.raises(DeadlineExceeded, match="deadline exceeded") as info:
             second.result()
         assert info.value.status == (504 if transport == "rest" else "DEADLINE_EXCEEDED")
-    time.sleep(1.0)  # let the queue empty
+    slow_server.wait_in_flight(0, at_least=False)  # the queue is empty again
 
 
 # -- retries through a real flaky HTTP server ----------------------------------------------------

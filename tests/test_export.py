@@ -15,6 +15,8 @@ import pytest
 from common.model import CLASS_NAMES
 from conftest import TINY_TRAIN
 
+pytestmark = pytest.mark.slow  # trains a tiny model, loads exports in fresh processes
+
 TOKENS = TINY_TRAIN["max_tokens"]
 
 TEXTS = [

@@ -253,9 +253,9 @@ def test_deadline_overload_and_drain(model_base):
             stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
             warm_up(stub)
             a = stub.Predict.future(predict_request(["first"]), timeout=10)
-            time.sleep(0.3)
+            srv.wait_in_flight(1)
             b = stub.Predict.future(predict_request(["second"]), timeout=10)
-            time.sleep(0.3)
+            srv.wait_in_flight(2)
             code, details = _code(stub.Predict, predict_request(["third"]))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in details, details
             time.sleep(0.1)

@@ -122,16 +122,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"single": single, "multi": multi, "resumed": resumed}
 
 
+@pytest.mark.slow
 def test_two_clients_follow_the_single_process_loss_curve(runs: dict[str, Path]) -> None:
     want = metrics(runs["single"])
     assert len(want) == 2 and want[1]["train_loss"] < want[0]["train_loss"]  # it actually trains
     assert_same_curve(metrics(runs["multi"]), want)
 
 
+@pytest.mark.slow
 def test_single_process_checkpoint_resumes_on_two_clients_and_another_mesh(runs: dict[str, Path]) -> None:
     assert_same_curve(metrics(runs["resumed"]), metrics(runs["single"]))
 
 
+@pytest.mark.slow
 def test_only_client_0_writes_run_files(runs: dict[str, Path]) -> None:
     assert len(metrics(runs["multi"])) == 2  # one line per epoch, not one per client
     saved = json.loads((runs["multi"] / "train_config.json").read_text())
@@ -139,6 +142,7 @@ def test_only_client_0_writes_run_files(runs: dict[str, Path]) -> None:
     assert len(list((runs["multi"] / "tensorboard").glob("events.out.tfevents.*"))) == 1  # one writer
 
 
+@pytest.mark.slow
 def test_multi_client_checkpoints_restore_in_one_process(runs: dict[str, Path]) -> None:
     on_8 = {name: restored_weights(runs[name], build_mesh([("batch", 8)])) for name in runs}
     on_1 = {name: restored_weights(runs[name], single_device_mesh()) for name in runs}
@@ -255,6 +259,7 @@ def test_launcher_forwards_sigterm_to_clients(tmp_path: Path) -> None:
     assert "stopped by SIGTERM (client 0: exit code 143, client 1: exit code 143)" in err
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_client_stops_all_clients_at_the_same_step(tmp_path: Path) -> None:
     """A signal that reaches one client only: all clients agree to stop and checkpoint together."""
     import tensorflow as tf

@@ -159,7 +159,7 @@ def test_sigterm_drains_in_flight_requests(model_base):
     assert idle.get(srv.url + "/healthz", timeout=5).status_code == 200
     thread = threading.Thread(target=slow_request)
     thread.start()
-    time.sleep(0.5)  # the request is now waiting on the (slow) model
+    srv.wait_in_flight(1)  # the request is now waiting on the (slow) model
     sigterm_at = time.monotonic()
     srv.terminate()
     thread.join()

@@ -285,7 +285,7 @@ def test_drain_timeout_abandons_with_exit_1_and_says_so(model_base, tmp_path):
 
     thread = threading.Thread(target=slow)
     thread.start()
-    time.sleep(0.5)
+    srv.wait_in_flight(1)
     start = time.monotonic()
     srv.terminate()
     code = srv.proc.wait(15)
