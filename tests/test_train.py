@@ -35,6 +35,8 @@ LEARN = dict(hidden=16, batch_size=64, epochs=1, learning_rate=3e-3, progress=Fa
 # no validation split unless a test wants them.
 TINY = dict(limit=1000, max_tokens=400, hidden=16, batch_size=32, epochs=2, progress=False, learning_rate=3e-3,
             dropout=0.0, validation_fraction=0.0, tensorboard=False)
+# Run-directory mechanics that do not depend on the mesh: 2 devices (feature=2) dispatch faster.
+MECHANICS = dict(TINY, devices=2)
 
 
 def mesh_of(spec: str):
@@ -109,7 +111,7 @@ def test_single_review_prediction_does_not_depend_on_its_batch(model_parallel_ru
 def test_resume_continues_exactly_where_it_stopped(tmp_path: Path) -> None:
     """Stopped part-way through the first epoch and resumed: the same weights, and the epoch's
     metrics line covers the whole epoch (its loss is the mean over all its steps)."""
-    base = dict(TINY, epochs=2, steps_per_call=4, dropout=0.5, validation_fraction=0.1)
+    base = dict(MECHANICS, epochs=2, steps_per_call=4, dropout=0.5, validation_fraction=0.1)
     straight = train(TrainConfig(run_dir=str(tmp_path / "straight"), **base))
     first = train(TrainConfig(run_dir=str(tmp_path / "resumed"), max_steps=13, **base))
     assert first.step == 13 and first.epoch == 0
@@ -133,7 +135,7 @@ def test_a_crash_between_the_metrics_line_and_the_checkpoint_leaves_one_line_per
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from train.checkpoints import CheckpointStore
 
-    config = TrainConfig(run_dir=str(tmp_path), **dict(TINY, epochs=2, validation_fraction=0.1))
+    config = TrainConfig(run_dir=str(tmp_path), **dict(MECHANICS, epochs=2, validation_fraction=0.1))
     real_save = CheckpointStore.save
 
     def crash_at_the_end_of_epoch_1(self, step, best=None):  # noqa: ANN001
@@ -158,7 +160,7 @@ def test_the_best_checkpoint_survives_keep_n_and_is_what_export_takes(tmp_path: 
     from export import ExportConfig, export_model
 
     run_dir = tmp_path / "run"
-    result = train(TrainConfig(run_dir=str(run_dir), **dict(TINY, epochs=4, patience=0, keep_checkpoints=1,
+    result = train(TrainConfig(run_dir=str(run_dir), **dict(MECHANICS, epochs=4, patience=0, keep_checkpoints=1,
                                                             validation_fraction=0.2, learning_rate=0.05)))
     lines = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines()]
     best_line = max(lines, key=lambda r: (r["validation_accuracy"], -r["validation_loss"]))
@@ -178,7 +180,7 @@ def test_the_best_checkpoint_survives_keep_n_and_is_what_export_takes(tmp_path: 
 
 
 def test_patience_stops_early(tmp_path: Path) -> None:
-    result = train(TrainConfig(run_dir=str(tmp_path), **dict(TINY, epochs=10, patience=1, validation_fraction=0.2,
+    result = train(TrainConfig(run_dir=str(tmp_path), **dict(MECHANICS, epochs=10, patience=1, validation_fraction=0.2,
                                                              learning_rate=0.05)))
     lines = [json.loads(x) for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
     assert result.epoch == len(lines) < 10
@@ -241,6 +243,7 @@ def test_sigterm_mid_epoch_keeps_a_good_checkpoint_and_resume_finishes(tmp_path:
         sys.executable, "-m", "train", "--run-dir", str(run_dir), "--no-progress", "--epochs", "2",
         "--max-tokens", "400", "--hidden", "16", "--batch-size", "32", "--steps-per-call", "5",
         "--checkpoint-every", "20", "--limit", "2000", "--validation-fraction", "0", "--no-tensorboard",
+        "--devices", "2",
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
