@@ -27,6 +27,18 @@ from common.run_dir import (
 log = logging.getLogger(__name__)
 
 
+class _SaverRetracing(logging.Filter):
+    """TF 2.21's sharded saver defines its tf.function inside `MultiDeviceSaver.save`, so every
+    DTensor save is traced anew and, from the fifth on, TensorFlow warns about "excessive retracing"
+    that no caller can avoid. Only that warning is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "MultiDeviceSaver.save.<locals>" not in record.getMessage()
+
+
+logging.getLogger("tensorflow").addFilter(_SaverRetracing())
+
+
 class CheckpointStore:
     def __init__(self, run_dir: Path, checkpoint: tf.train.Checkpoint, keep: int, chief: bool) -> None:
         self.run_dir = Path(run_dir)
