@@ -241,6 +241,19 @@ def _examples(inp) -> list:
     raise InvalidArgument("Input is empty: set input.example_list or input.example_list_with_context")
 
 
+def _current_health(base: type, refresh) -> type:  # noqa: ANN001
+    """The health servicer, but Check first refreshes the status from the core, so a probe agrees
+    with /readyz at once; Watch streams follow the core every HEALTH_POLL_S."""
+
+    class CurrentHealth(base):  # type: ignore[misc, valid-type]
+        async def Check(self, request, context):  # noqa: ANN001, ANN201, N802 - gRPC method name
+            if not self._gracefully_shutting_down:
+                await refresh()
+            return await super().Check(request, context)
+
+    return CurrentHealth
+
+
 class GrpcServer:
     """A grpc.aio server on the serving loop: TF Serving's two services and the standard
     `grpc.health.v1.Health` (SERVING once every model has a live version; Kubernetes gRPC probes)."""
@@ -251,7 +264,7 @@ class GrpcServer:
         self.config = config
         self.core = core
         self.api = GrpcApi(config, core)
-        self.health = health.aio.HealthServicer()
+        self.health = _current_health(health.aio.HealthServicer, self._update_health)()
         self._health_task: asyncio.Task | None = None
         self._server = grpc.aio.server(
             options=[
