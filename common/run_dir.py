@@ -4,6 +4,7 @@
       train_config.json  model.json  vocabulary.json   what was trained, and how
       metrics.jsonl                                     one line per finished epoch
       best.json                                         the checkpoint with the best validation score
+      test.json                                         the test split's score, and of which checkpoint
       checkpoints/ckpt-<step>.index, .data-*            sharded DTensor checkpoints (+ TF's state file)
       tensorboard/                                      event files for `tensorboard --logdir runs/`
 
@@ -27,6 +28,7 @@ MODEL_FILE = "model.json"
 CONFIG_FILE = "train_config.json"
 METRICS_FILE = "metrics.jsonl"
 BEST_FILE = "best.json"
+TEST_FILE = "test.json"
 CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
 TMP_PREFIX = ".tmp-"
@@ -51,8 +53,19 @@ def atomic_write_json(path: Path, value: Any) -> None:
     atomic_write_text(path, json.dumps(value, indent=2) + "\n")
 
 
+def checkpoint_name(step: int) -> str:
+    """`ckpt-<step>`: the one naming convention of checkpoints (files, best.json, TF's state file)."""
+    return f"ckpt-{step}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint name such as `ckpt-40`; None for anything else."""
+    match = _CHECKPOINT_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
 def checkpoint_prefix(run_dir: Path, step: int) -> str:
-    return str(Path(run_dir) / CHECKPOINT_DIR / f"ckpt-{step}")
+    return str(Path(run_dir) / CHECKPOINT_DIR / checkpoint_name(step))
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -62,14 +75,22 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
         return []
     steps = []
     for path in directory.glob("ckpt-*.index"):
-        match = _CHECKPOINT_NAME.match(path.name[: -len(".index")])
-        if match:
-            steps.append(int(match.group(1)))
+        step = checkpoint_step(path.name[: -len(".index")])
+        if step is not None:
+            steps.append(step)
     return sorted(steps)
 
 
 def read_best(run_dir: Path) -> dict | None:
-    path = Path(run_dir) / BEST_FILE
+    return _read_record(Path(run_dir) / BEST_FILE)
+
+
+def read_test(run_dir: Path) -> dict | None:
+    return _read_record(Path(run_dir) / TEST_FILE)
+
+
+def _read_record(path: Path) -> dict | None:
+    """A small JSON record of the run; None when it is absent or unreadable."""
     if not path.is_file():
         return None
     try:
@@ -94,14 +115,14 @@ def checkpoint_path(run_dir: Path, checkpoint: str | None = "best") -> str:
         return checkpoint_prefix(run_dir, steps[-1])
     prefix = run_dir / CHECKPOINT_DIR / checkpoint
     if not Path(f"{prefix}.index").is_file():
-        names = ", ".join(f"ckpt-{s}" for s in steps[-5:])
+        names = ", ".join(checkpoint_name(s) for s in steps[-5:])
         raise RunDirError(f"checkpoint {checkpoint!r} not found in {run_dir / CHECKPOINT_DIR} (have: {names}, "
                           "or best, latest)")
     return str(prefix)
 
 
 def remove_checkpoint(run_dir: Path, step: int) -> None:
-    for path in (Path(run_dir) / CHECKPOINT_DIR).glob(f"ckpt-{step}.*"):
+    for path in (Path(run_dir) / CHECKPOINT_DIR).glob(f"{checkpoint_name(step)}.*"):
         path.unlink(missing_ok=True)
 
 

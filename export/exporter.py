@@ -29,8 +29,10 @@ from common.run_dir import (
     TMP_PREFIX,
     RunDirError,
     checkpoint_path,
+    checkpoint_step,
     clean_leftovers,
     read_best,
+    read_test,
 )
 from common.vectorizer import VOCABULARY_FILE, TfIdf, load_vectorizer
 from export.config import ExportConfig
@@ -44,7 +46,6 @@ CLASSIFY_METHOD = "tensorflow/serving/classify"
 WARMUP_FILE = "tf_serving_warmup_requests"
 EXPORT_INFO_FILE = "export_info.json"
 ASSETS_EXTRA = "assets.extra"
-TEST_FILE = "test.json"
 TOLERANCE = 1e-5
 """Largest difference allowed between the saved model and the model it was built from."""
 
@@ -185,18 +186,11 @@ def _check_shapes(prefix: str, model_config: ModelConfig, model_file: Path) -> N
 def _checkpoint_stats(run_dir: Path, prefix: str) -> tuple[int | None, float | None, float | None]:
     """(step, validation accuracy, test accuracy) of the checkpoint, from best.json and test.json."""
     name = Path(prefix).name
-    step = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else None
+    step = checkpoint_step(name)
     best = read_best(run_dir) or {}
     validation = best.get("validation_accuracy") if best.get("checkpoint") == name else None
-    test = None
-    path = run_dir / TEST_FILE
-    if path.is_file():
-        try:
-            record = json.loads(path.read_text())
-        except ValueError:
-            record = {}
-        if record.get("checkpoint") == name:
-            test = record.get("test_accuracy")
+    record = read_test(run_dir) or {}
+    test = record.get("test_accuracy") if record.get("checkpoint") == name else None
     return step, validation, test
 
 

@@ -19,11 +19,11 @@ import tensorflow as tf
 from common import mesh as meshlib
 from common.mesh_spec import MeshError, parse_mesh
 from common.model import DTensorMLP, restore_model, to_mesh
-from common.run_dir import BEST_FILE, CHECKPOINT_DIR, METRICS_FILE, checkpoint_steps
+from common.run_dir import BEST_FILE, CHECKPOINT_DIR, METRICS_FILE, TEST_FILE, checkpoint_steps
 from common.vectorizer import load_vectorizer, vectorize
 from train.config import TrainConfig
 from train.state import to_host
-from train.trainer import TEST_FILE, TrainingError, train
+from train.trainer import TrainingError, train
 
 pytestmark = pytest.mark.slow
 

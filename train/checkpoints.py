@@ -18,7 +18,9 @@ from common.run_dir import (
     CHECKPOINT_DIR,
     atomic_write_json,
     atomic_write_text,
+    checkpoint_name,
     checkpoint_prefix,
+    checkpoint_step,
     checkpoint_steps,
     read_best,
     remove_checkpoint,
@@ -61,25 +63,20 @@ class CheckpointStore:
         self.checkpoint.write(prefix)
         if self.chief:
             if best is not None:
-                atomic_write_json(self.run_dir / BEST_FILE, {"checkpoint": Path(prefix).name, **best})
+                atomic_write_json(self.run_dir / BEST_FILE, {"checkpoint": checkpoint_name(step), **best})
             self._prune()
         return prefix
-
-    def mark_best(self, step: int, record: dict) -> None:
-        """Record an existing checkpoint as the best (after a resume found best.json behind)."""
-        if self.chief:
-            atomic_write_json(self.run_dir / BEST_FILE, {"checkpoint": f"ckpt-{step}", **record})
 
     def _prune(self) -> None:
         steps = checkpoint_steps(self.run_dir)
         best = read_best(self.run_dir)
-        best_step = int(best["checkpoint"].rsplit("-", 1)[1]) if best else None
+        best_step = checkpoint_step(best["checkpoint"]) if best else None
         kept = steps[-self.keep:]
         for step in steps:
             if step not in kept and step != best_step:
                 remove_checkpoint(self.run_dir, step)
         remaining = sorted(set(kept) | ({best_step} if best_step in steps else set()))
         # TensorFlow's CheckpointState text format, written directly: its writer is deprecated.
-        lines = [f'model_checkpoint_path: "ckpt-{steps[-1]}"']
-        lines += [f'all_model_checkpoint_paths: "ckpt-{s}"' for s in remaining]
+        lines = [f'model_checkpoint_path: "{checkpoint_name(steps[-1])}"']
+        lines += [f'all_model_checkpoint_paths: "{checkpoint_name(s)}"' for s in remaining]
         atomic_write_text(self.directory / "checkpoint", "\n".join(lines) + "\n")

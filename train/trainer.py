@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import math
 import signal
@@ -38,10 +37,13 @@ from common.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     MODEL_FILE,
+    TEST_FILE,
     atomic_write_json,
+    checkpoint_name,
     checkpoint_steps,
     clean_leftovers,
     read_best,
+    read_test,
 )
 from common.vectorizer import (
     VOCABULARY_FILE,
@@ -60,7 +62,6 @@ from train.state import TrainState, to_host
 
 log = logging.getLogger(__name__)
 
-TEST_FILE = "test.json"
 
 
 class TrainingError(RuntimeError):
@@ -263,7 +264,7 @@ def _end_epoch(state: TrainState, batches: Batches, validation: Split | None, pr
     if validation is not None and config.patience and progress["since_best"] >= config.patience \
             and progress["epoch"] < config.epochs:
         log.info("stopping early: no better validation accuracy for %d epoch(s); best %s", config.patience,
-                 f"ckpt-{progress['best_step']}")
+                 checkpoint_name(progress["best_step"]))
 
 
 def _save(state: TrainState, store: CheckpointStore, progress: dict, best: dict | None = None) -> None:
@@ -295,7 +296,7 @@ def _test(state: TrainState, batches: Batches, test: Split, progress: dict, stor
     """The test split, once, on the best checkpoint (the latest without a validation split)."""
     best = read_best(run_dir)
     checkpoint = best["checkpoint"] if best else Path(store.latest()).name
-    done = _read_test(run_dir)
+    done = read_test(run_dir)
     if done is not None and done["checkpoint"] == checkpoint:
         loss, accuracy = done["test_loss"], done["test_accuracy"]  # a finished run asked again
     else:
@@ -308,11 +309,6 @@ def _test(state: TrainState, batches: Batches, test: Split, progress: dict, stor
         report.test(progress["step"], loss, accuracy, checkpoint)
     return TrainResult(run_dir, progress["step"], progress["epoch"], checkpoint,
                        best.get("validation_accuracy") if best else None, loss, accuracy, report.history)
-
-
-def _read_test(run_dir: Path) -> dict | None:
-    path = run_dir / TEST_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 # -- signals and the mesh ------------------------------------------------------------------------
