@@ -17,14 +17,14 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import tensorflow as tf
+
+from common.run_dir import atomic_write_text
 
 VOCABULARY_FILE = "vocabulary.json"
 FORMAT = 2
@@ -163,10 +163,7 @@ def _rows(ragged: tf.RaggedTensor) -> Iterable[list[bytes]]:
 def save_vectorizer(vectorizer: TfIdf, run_dir: Path) -> Path:
     """Write vocabulary.json atomically (temp file + rename)."""
     path = Path(run_dir) / VOCABULARY_FILE
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".vocabulary.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(vectorizer.state(), handle, ensure_ascii=False)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(vectorizer.state(), ensure_ascii=False))
     return path
 
 
