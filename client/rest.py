@@ -21,6 +21,8 @@ from client.results import ModelVersionStatus, RawPrediction
 def parse_url(url: str) -> str:
     """`host:port` or `http(s)://host:port[/prefix]` -> a base URL; InvalidURL (a usage error) if malformed."""
     if "://" not in url:
+        if "/" in url or url.startswith(("http:", "https:")):  # "http//host", "http:/host": a mistyped scheme
+            raise InvalidURL(f"url={url!r}: expected http://host:port, https://host:port or host:port")
         url = "http://" + url
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:

@@ -17,7 +17,7 @@ from tensorflow.experimental import dtensor
 from common.classes import CLASS_NAMES
 from common.mesh import ModelLayouts
 from common.model_config import NUM_CLASSES, ModelConfig
-from common.run_dir import MODEL_FILE, checkpoint_path
+from common.run_dir import MODEL_FILE, RunDirError, checkpoint_path
 
 __all__ = ["CLASS_NAMES", "NUM_CLASSES", "ModelConfig", "DTensorMLP", "mlp_forward", "initial_values", "restore_model"]
 
@@ -169,6 +169,39 @@ class DTensorMLP(tf.Module):
             replicated = dtensor.relayout(value, dtensor.Layout.replicated(self.mesh, value.shape.rank))
             out[name] = dtensor.unpack(replicated)[0].numpy()
         return out
+
+
+class DamagedCheckpoint(RunDirError):
+    """A checkpoint whose index or data shards are missing, truncated or corrupt."""
+
+
+def verify_checkpoint(prefix: str) -> dict[str, list[int]]:
+    """Read every tensor of a checkpoint on the host (checksums included) and return the shapes by
+    variable key; DamagedCheckpoint saying which checkpoint is damaged otherwise.
+
+    A DTensor restore that fails part-way leaves the eager executor poisoned for the rest of the
+    process, so a damaged checkpoint must be found before restoring, not by catching the restore."""
+    name = Path(prefix).name
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        shapes = reader.get_variable_to_shape_map()
+        for key in shapes:
+            reader.get_tensor(key)
+    except Exception as exc:  # noqa: BLE001 - the reader raises OpError, IndexError ("Read less bytes"), ...
+        cause = _short_cause(exc)
+        raise DamagedCheckpoint(f"checkpoint {name} in {Path(prefix).parent} is damaged ({cause})") from None
+    return shapes
+
+
+def _short_cause(exc: Exception) -> str:
+    text = getattr(exc, "message", None) or str(exc)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if "not found" in first.lower() or "no such file" in first.lower():
+        return "a file of it is missing"
+    if isinstance(exc, (tf.errors.DataLossError, IndexError)) or any(
+            word in first.lower() for word in ("truncated", "corrupt", "checksum", "less bytes")):
+        return "a file of it is truncated or corrupt"
+    return first[:200]
 
 
 def restore_model(run_dir: Path, mesh: dtensor.Mesh, checkpoint: str | None = "best") -> DTensorMLP:

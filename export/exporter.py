@@ -22,19 +22,31 @@ import numpy as np
 import tensorflow as tf
 
 from common.mesh import single_device_mesh
-from common.model import CLASS_NAMES, PARAMETERS, STATISTICS, ModelConfig, mlp_forward, restore_model
+from common.model import (
+    CLASS_NAMES,
+    PARAMETERS,
+    STATISTICS,
+    DamagedCheckpoint,
+    ModelConfig,
+    mlp_forward,
+    restore_model,
+    verify_checkpoint,
+)
 from common.run_dir import (
     CHECKPOINT_DIR,
     MODEL_FILE,
     TMP_PREFIX,
     RunDirError,
+    checkpoint_name,
     checkpoint_path,
     checkpoint_step,
+    checkpoint_steps,
     clean_leftovers,
     read_best,
     read_test,
 )
 from common.vectorizer import VOCABULARY_FILE, TfIdf, load_vectorizer
+from common.versions import version_number
 from export.config import ExportConfig
 
 log = logging.getLogger(__name__)
@@ -126,8 +138,10 @@ class SentimentModel(tf.Module):
 
 def next_version(model_dir: Path) -> int:
     """One more than the highest integer version directory in `model_dir` (1 when there is none)."""
-    versions = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()] if model_dir.is_dir() else []
-    return max(versions, default=0) + 1
+    if not model_dir.is_dir():
+        return 1
+    versions = [version_number(p.name) for p in model_dir.iterdir() if p.is_dir()]
+    return max((v for v in versions if v is not None), default=0) + 1
 
 
 def _check_run_dir(run_dir: Path, checkpoint: str) -> tuple[str, ModelConfig]:
@@ -169,9 +183,13 @@ def _check_shapes(prefix: str, model_config: ModelConfig, model_file: Path) -> N
     mismatch must be caught here rather than by catching the restore's error.
     """
     try:
-        stored = dict(tf.train.list_variables(prefix))
-    except (tf.errors.OpError, ValueError) as exc:
-        raise ExportError(f"cannot read checkpoint {prefix}: {exc}") from None
+        stored = verify_checkpoint(prefix)
+    except DamagedCheckpoint as exc:
+        run_dir = Path(prefix).parent.parent
+        others = [checkpoint_name(s) for s in checkpoint_steps(run_dir) if checkpoint_name(s) != Path(prefix).name]
+        advice = (f"export another one with --checkpoint {others[-1]} (have: {', '.join(others[-5:])})" if others
+                  else "train again: it is the run's only checkpoint")
+        raise ExportError(f"{exc}; {advice}") from None
     for name, shape in model_config.shapes().items():
         key = f"model/{name}/.ATTRIBUTES/VARIABLE_VALUE"
         if key not in stored:

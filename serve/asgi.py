@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import orjson
 
+from serve import memory
 from serve.errors import Code, ServingError
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def error_response(exc: ServingError) -> Response:
 class Request:
     """One HTTP request: method, path, headers from the ASGI scope; the body read on demand."""
 
-    __slots__ = ("scope", "_receive", "method", "path", "raw_path", "match", "route_label", "max_body")
+    __slots__ = ("scope", "_receive", "method", "path", "raw_path", "match", "route_label", "max_body", "body_size")
 
     def __init__(self, scope: dict, receive: Callable[[], Awaitable[dict]], max_body: int) -> None:
         self.scope = scope
@@ -94,6 +95,8 @@ class Request:
         self.match: re.Match | None = None
         self.route_label = "other"
         self.max_body = max_body
+        self.body_size = 0
+        """Bytes of body read (inflated size for gzip): large requests are followed by a memory trim."""
 
     def header(self, name: bytes) -> str | None:
         for key, value in self.scope["headers"]:
@@ -121,11 +124,13 @@ class Request:
                 if not message.get("more_body", False):
                     break
             data = b"".join(chunks)
+        self.body_size = len(data)
         if len(data) > self.max_body:
             raise self._too_large()
         encoding = self.header(b"content-encoding")
         if encoding and encoding.strip().lower() == "gzip":
             data = self._gunzip(data)
+            self.body_size = max(self.body_size, len(data))
         return data
 
     def _too_large(self) -> HttpError:
@@ -133,14 +138,25 @@ class Request:
                          [(b"connection", b"close")])
 
     def _gunzip(self, data: bytes) -> bytes:
-        inflater = zlib.decompressobj(zlib.MAX_WBITS | 16)
-        try:
-            out = inflater.decompress(data, self.max_body + 1)
-        except zlib.error:
-            raise HttpError(400, "request body is not valid gzip (Content-Encoding: gzip)") from None
-        if len(out) > self.max_body or inflater.unconsumed_tail:
-            raise self._too_large()
-        return out
+        """Every gzip member (RFC 1952 allows several), up to `max_body` bytes in all; a truncated
+        stream or bytes after the last member are a 400, never silently dropped."""
+        out, rest = [], data
+        size = 0
+        while True:
+            inflater = zlib.decompressobj(zlib.MAX_WBITS | 16)
+            try:
+                chunk = inflater.decompress(rest, self.max_body + 1 - size)
+            except zlib.error:
+                raise HttpError(400, "request body is not valid gzip (Content-Encoding: gzip)") from None
+            size += len(chunk)
+            if size > self.max_body or inflater.unconsumed_tail:
+                raise self._too_large()
+            if not inflater.eof:
+                raise HttpError(400, "request body is truncated gzip (Content-Encoding: gzip): the stream ends early")
+            out.append(chunk)
+            rest = inflater.unused_data
+            if not rest:
+                return b"".join(out)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -198,6 +214,7 @@ class App:
         await send({"type": "http.response.body", "body": response.body})
         elapsed = time.perf_counter() - start
         metrics.observe_request(request.route_label, str(response.status), elapsed)
+        memory.after_request(request.body_size)
         if self.access_log:
             client = scope.get("client") or ("-", 0)
             query = scope.get("query_string") or b""

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Callable, Mapping, Sequence
+import math
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from serve.batching import Batcher
 from serve.config import ServeConfig
 from serve.errors import InvalidArgument, NotFound, Overloaded, ServingError, Unavailable
 from serve.metrics import Metrics
-from serve.models import CLASSIFY_METHOD, LoadedModel, Signature
+from serve.models import CLASSIFY_METHOD, LoadedModel, Signature, TensorInfo
 from serve.registry import ModelRegistry, ModelSource, VersionStatus
 from serve.tensors import NUMPY_DTYPES, dtype_name, short_dtype
 
@@ -33,6 +34,11 @@ log = logging.getLogger(__name__)
 
 TEXT_INPUT = "text"
 """A string input with this name holds review text: it must be non-empty, valid UTF-8."""
+CLASSIFY_FEATURES = (TEXT_INPUT,)
+"""The tf.train.Example features a classify signature reads; edges convert no others."""
+MAX_DIMS = 32
+VALUES_PER_ROW = 1024
+"""Most values one row of a numeric input may hold (the declared shape is checked before decoding)."""
 
 RowLabel = Callable[[str, int], str]
 """(input name, row) -> how the request spells that place, e.g. `instances[3]`."""
@@ -40,6 +46,17 @@ RowLabel = Callable[[str, int], str]
 
 def _default_label(name: str, row: int) -> str:
     return f"inputs[{name!r}][{row}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    draining: bool
+    waiting: list[str]
+    """Models still loading that the server waits for."""
+    unavailable: list[str]
+    """Models with no live version that the server does not wait for."""
+    live_versions: dict[str, list[int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +80,8 @@ class ServingCore:
         for source in sources:
             self._add(source)
         self.default_model = sources[0].name
+        self._initial = frozenset(self.models)
+        """Models the server started with: only these hold readiness back while they load."""
         self.metrics.queued_rows.set_function(lambda: sum(b.queued_rows for b in self.batchers.values()))
         self._draining = False
         self._started = False
@@ -126,7 +145,19 @@ class ServingCore:
 
     @property
     def ready(self) -> bool:
-        return not self._draining and bool(self.models) and all(r.ready for r in self.models.values())
+        return self.readiness().ready
+
+    def readiness(self) -> "Readiness":
+        """Ready when not draining, some model has a live version, and no model the server
+        started with is still loading. A model that cannot load (its base path missing, only
+        broken versions) or one added later by a config change does not hold readiness back:
+        it reports its own status instead."""
+        models = self.models
+        waiting = [n for n, r in models.items() if not r.ready and r.loading and n in self._initial]
+        unavailable = [n for n, r in models.items() if not r.ready and n not in waiting]
+        ready = not self._draining and not waiting and any(r.ready for r in models.values())
+        return Readiness(ready, self._draining, waiting, unavailable,
+                         {n: r.live_versions for n, r in models.items()})
 
     @property
     def draining(self) -> bool:
@@ -187,21 +218,32 @@ class ServingCore:
         return await self._run(model, signature_name, inputs, timeout_s)
 
     async def classify(
-        self, model: LoadedModel, signature_name: str, examples: Sequence, *, timeout_s: float | None = None
+        self, model: LoadedModel, signature_name: str, rows: Sequence[Mapping[str, Any]],
+        context: Mapping[str, Any] | None = None, *, timeout_s: float | None = None,
     ) -> tuple[Signature, dict[str, np.ndarray]]:
-        """Run a classify signature on tf.train.Example protos; returns (signature, outputs)."""
+        """Run a classify signature; returns (signature, outputs). `rows` and `context` map feature
+        names to tf.train.Feature protos (edges pass only `CLASSIFY_FEATURES`); a row's own feature
+        wins over the context's, and the model gets Examples holding only the features it reads."""
         signature = model.signature_for_method(CLASSIFY_METHOD, signature_name)
-        check_rows(len(examples), self.config)
-        serialized = np.empty(len(examples), dtype=object)
-        for i, example in enumerate(examples):
-            feature = example.features.feature.get(TEXT_INPUT)
-            if feature is None:
+        check_rows(len(rows), self.config.max_rows_per_request)
+        shared = (context or {}).get(TEXT_INPUT)
+        shared_example = None
+        serialized = np.empty(len(rows), dtype=object)
+        total = 0
+        for i, features in enumerate(rows):
+            if TEXT_INPUT in features:
+                serialized[i] = _classify_example(features[TEXT_INPUT], f"examples[{i}].{TEXT_INPUT}", self.config)
+            elif shared is not None:
+                if shared_example is None:
+                    shared_example = _classify_example(shared, f"context.{TEXT_INPUT}", self.config)
+                serialized[i] = shared_example  # the same bytes object: merging copies nothing
+            else:
                 raise InvalidArgument(f"examples[{i}]: no {TEXT_INPUT!r} feature")
-            kind = feature.WhichOneof("kind")
-            if kind != "bytes_list" or len(feature.bytes_list.value) != 1:
-                raise InvalidArgument(f"examples[{i}].{TEXT_INPUT}: expected one string, got {kind or 'nothing'}")
-            check_text(feature.bytes_list.value[0], f"examples[{i}].{TEXT_INPUT}", self.config)
-            serialized[i] = example.SerializeToString()
+            total += len(serialized[i])
+        if total > self.config.max_body_bytes:
+            # a context text merged into many examples: bound what the model is asked to read
+            raise InvalidArgument(f"the examples hold {total} bytes of text with the context merged in, "
+                                  f"more than the limit of {self.config.max_body_bytes}")
         (input_name,) = signature.inputs
         return signature, await self._run(model, signature.name, {input_name: serialized}, timeout_s)
 
@@ -242,11 +284,54 @@ class ServingCore:
 # -- validation, once for every edge -------------------------------------------------------------
 
 
-def check_rows(rows: int, config: ServeConfig) -> None:
+def _classify_example(feature: Any, where: str, config: ServeConfig) -> bytes:
+    """A text feature (a tf.train.Feature), checked, as a serialized Example holding only it."""
+    from tensorflow.core.example import example_pb2
+
+    kind = feature.WhichOneof("kind")
+    if kind != "bytes_list" or len(feature.bytes_list.value) != 1:
+        raise InvalidArgument(f"{where}: expected one string, got {kind or 'nothing'}")
+    check_text(feature.bytes_list.value[0], where, config)
+    example = example_pb2.Example()
+    example.features.feature[TEXT_INPUT].CopyFrom(feature)
+    return example.SerializeToString()
+
+
+def check_rows(rows: int, max_rows: int) -> None:
+    """Edges call this as soon as they know a request's row count, before converting any row."""
     if rows == 0:
         raise InvalidArgument("no instances: at least one input row is required")
-    if rows > config.max_rows_per_request:
-        raise InvalidArgument(f"{rows} instances in one request, more than the limit of {config.max_rows_per_request}")
+    if rows > max_rows:
+        raise InvalidArgument(f"{rows} instances in one request, more than the limit of {max_rows}")
+
+
+def check_declared_shape(signature: Signature, name: str, shape: Sequence[int], config: ServeConfig) -> int:
+    """A shape a client declares for input `name`, before anything is allocated for it: a rank the
+    signature takes, rows within the limit, a bounded element count. Returns the element count."""
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise InvalidArgument(f"input {name!r}: invalid tensor shape {list(shape)}")
+    info = signature.inputs.get(name)
+    if info is not None:
+        check_shape(name, info, shape)
+    check_rows(shape[0] if shape else 1, config.max_rows_per_request)
+    count = math.prod(shape)
+    limit = config.max_rows_per_request * VALUES_PER_ROW
+    if count > limit:
+        raise InvalidArgument(f"input {name!r}: the shape {list(shape)} declares {count} values, "
+                              f"more than the limit of {limit}")
+    return count
+
+
+def check_shape(name: str, info: TensorInfo, shape: Sequence[int]) -> None:
+    """The shape of input `name` (declared or decoded) against its signature."""
+    if not shape:
+        raise InvalidArgument(f"input {name!r}: expected a batch (rank >= 1), got a scalar")
+    if info.shape is not None and (
+        len(shape) != len(info.shape) or any(d not in (-1, a) for d, a in zip(info.shape[1:], shape[1:]))
+    ):
+        if info.dtype == "DT_STRING" and len(info.shape) == 1:
+            raise InvalidArgument(f"input {name!r}: string inputs must have rank 1, got shape {list(shape)}")
+        raise InvalidArgument(f"input {name!r} has shape {list(shape)}, expected {list(info.shape)}")
 
 
 def check_text(data: bytes, where: str, config: ServeConfig) -> None:
@@ -277,16 +362,8 @@ def validate_inputs(
             raise InvalidArgument(
                 f"input {name!r}: expects {short_dtype(info.dtype)} but {short_dtype(got)} is provided"
             )
-        if array.ndim == 0:
-            raise InvalidArgument(f"input {name!r}: expected a batch (rank >= 1), got a scalar")
-        if info.shape is not None and (
-            array.ndim != len(info.shape)
-            or any(d not in (-1, a) for d, a in zip(info.shape[1:], array.shape[1:]))
-        ):
-            if info.dtype == "DT_STRING" and len(info.shape) == 1:
-                raise InvalidArgument(f"input {name!r}: string inputs must have rank 1, got shape {list(array.shape)}")
-            raise InvalidArgument(f"input {name!r} has shape {list(array.shape)}, expected {list(info.shape)}")
-        check_rows(len(array), config)
+        check_shape(name, info, array.shape)
+        check_rows(len(array), config.max_rows_per_request)
         if rows is not None and len(array) != rows:
             raise InvalidArgument("all inputs must have the same number of rows")
         rows = len(array)
@@ -305,4 +382,5 @@ def _check_strings(name: str, array: np.ndarray, config: ServeConfig, row_label:
             raise InvalidArgument(f"{row_label(name, i)}: value is {len(value)} bytes, more than the limit of {limit}")
 
 
-__all__ = ["ServingCore", "Sentiment", "ServingError", "check_rows", "check_text", "validate_inputs"]
+__all__ = ["ServingCore", "Sentiment", "ServingError", "check_declared_shape", "check_rows", "check_shape", "check_text",
+           "validate_inputs"]

@@ -18,13 +18,13 @@ not implement (and unknown ones) answer UNIMPLEMENTED with a one-line log.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any, Awaitable, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
-from tensorflow.core.example import example_pb2
 from tensorflow_serving.apis import (
     classification_pb2,
     get_model_metadata_pb2,
@@ -33,8 +33,9 @@ from tensorflow_serving.apis import (
     regression_pb2,
 )
 
+from serve import memory
 from serve.config import ServeConfig
-from serve.core import ServingCore, check_rows
+from serve.core import CLASSIFY_FEATURES, VALUES_PER_ROW, ServingCore, check_declared_shape, check_rows
 from serve.errors import InvalidArgument, ServingError
 from serve.models import REGRESS_METHOD, LoadedModel
 from serve.tensors import from_tensor_proto, to_tensor_proto
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 PREDICTION_SERVICE = "tensorflow.serving.PredictionService"
 MODEL_SERVICE = "tensorflow.serving.ModelService"
+HEALTH_SERVICE = "grpc.health.v1.Health"
 HEALTH_SERVICES = ("", PREDICTION_SERVICE, MODEL_SERVICE)
 """Names the Health service answers for ("" is the whole server, what Kubernetes asks by default)."""
 HEALTH_POLL_S = 0.25
@@ -83,10 +85,9 @@ class GrpcApi:
                 raise InvalidArgument(f"output tensor alias not found in signature: {name}")
         inputs = {}
         for name, proto in request.inputs.items():
-            dims = proto.tensor_shape.dim
-            if dims:
-                check_rows(dims[0].size, self.config)  # before anything is decoded
-            inputs[name] = from_tensor_proto(proto, f"input {name!r}", self.config.max_rows_per_request * 1024)
+            if not proto.tensor_shape.unknown_rank:  # before anything is decoded
+                check_declared_shape(signature, name, [d.size for d in proto.tensor_shape.dim], self.config)
+            inputs[name] = from_tensor_proto(proto, f"input {name!r}", self.config.max_rows_per_request * VALUES_PER_ROW)
         outputs = await self.core.predict(model, signature_name, inputs, timeout_s=self._timeout(context))
         response = predict_pb2.PredictResponse()
         _fill_spec(response.model_spec, spec.name, model, signature_name)
@@ -97,8 +98,9 @@ class GrpcApi:
     async def classify(self, request: classification_pb2.ClassificationRequest, context):
         spec = request.model_spec
         model = self._model(spec)
+        rows, shared = _examples(request.input, self.config.max_rows_per_request)
         signature, outputs = await self.core.classify(
-            model, spec.signature_name, _examples(request.input), timeout_s=self._timeout(context))
+            model, spec.signature_name, rows, shared, timeout_s=self._timeout(context))
         response = classification_pb2.ClassificationResponse()
         _fill_spec(response.model_spec, spec.name, model, signature.name)
         classes, scores = outputs.get("classes"), outputs.get("scores")
@@ -199,6 +201,7 @@ class GrpcApi:
                 self.in_flight -= 1
                 metrics.in_flight -= 1
                 metrics.observe_request(label, code.name, time.perf_counter() - start)
+                memory.after_request(len(raw))
             await context.abort(code, message)
 
         return call
@@ -223,35 +226,81 @@ def _fill_spec(out, name: str, model: LoadedModel, signature_name: str) -> None:
     out.signature_name = signature_name
 
 
-def _examples(inp) -> list:
-    """Input of a ClassificationRequest -> tf.train.Example per row, context merged in."""
+def _model_features(features) -> dict:  # noqa: ANN001 - a tf.train.Features
+    """The features the model reads, by reference: nothing else in an Example is looked at."""
+    feature_map = features.feature
+    return {key: feature_map[key] for key in CLASSIFY_FEATURES if key in feature_map}
+
+
+def _examples(inp, max_rows: int) -> tuple[list[dict], dict]:  # noqa: ANN001 - a tensorflow.serving.Input
+    """Input of a ClassificationRequest -> (the model's features of each row, of the context);
+    the core merges the context in. The row count is checked before any row is looked at."""
     kind = inp.WhichOneof("kind")
     if kind == "example_list":
-        return list(inp.example_list.examples)
-    if kind == "example_list_with_context":
-        context = inp.example_list_with_context.context
-        merged = []
-        for example in inp.example_list_with_context.examples:
-            full = example_pb2.Example()
-            full.CopyFrom(context)
-            for key, feature in example.features.feature.items():
-                full.features.feature[key].CopyFrom(feature)
-            merged.append(full)
-        return merged
-    raise InvalidArgument("Input is empty: set input.example_list or input.example_list_with_context")
+        examples, context = inp.example_list.examples, {}
+    elif kind == "example_list_with_context":
+        examples = inp.example_list_with_context.examples
+        context = _model_features(inp.example_list_with_context.context.features)
+    else:
+        raise InvalidArgument("Input is empty: set input.example_list or input.example_list_with_context")
+    check_rows(len(examples), max_rows)
+    return [_model_features(example.features) for example in examples], context
 
 
-def _current_health(base: type, refresh) -> type:  # noqa: ANN001
-    """The health servicer, but Check first refreshes the status from the core, so a probe agrees
-    with /readyz at once; Watch streams follow the core every HEALTH_POLL_S."""
+class Health:
+    """`grpc.health.v1.Health` answered from the core's readiness (the same answer as /readyz at
+    every moment): SERVING once the models are ready, NOT_SERVING while loading or draining.
+    Requests are parsed here, so undecodable bytes are an INVALID_ARGUMENT like on every other
+    method; Watch streams end with NOT_SERVING when the server drains."""
 
-    class CurrentHealth(base):  # type: ignore[misc, valid-type]
-        async def Check(self, request, context):  # noqa: ANN001, ANN201, N802 - gRPC method name
-            if not self._gracefully_shutting_down:
-                await refresh()
-            return await super().Check(request, context)
+    def __init__(self, core: ServingCore) -> None:
+        from grpc_health.v1 import health_pb2
 
-    return CurrentHealth
+        self.core = core
+        self.pb = health_pb2
+        self.closing = asyncio.Event()
+
+    def _status(self, service: str) -> int:
+        status = self.pb.HealthCheckResponse
+        if service not in HEALTH_SERVICES:
+            return status.SERVICE_UNKNOWN
+        return status.SERVING if self.core.ready and not self.closing.is_set() else status.NOT_SERVING
+
+    def _request(self, raw: bytes):  # noqa: ANN202
+        try:
+            return self.pb.HealthCheckRequest.FromString(raw)
+        except DecodeError:
+            log.info("gRPC health: undecodable request (%d bytes)", len(raw))
+            return None
+
+    async def check(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = self._request(raw)
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid grpc.health.v1.HealthCheckRequest")
+        if request.service not in HEALTH_SERVICES:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return self.pb.HealthCheckResponse(status=self._status(request.service)).SerializeToString()
+
+    async def watch(self, raw: bytes, context: grpc.aio.ServicerContext):  # noqa: ANN201 - an async generator
+        request = self._request(raw)
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid grpc.health.v1.HealthCheckRequest")
+        last = None
+        while True:
+            status = self._status(request.service)
+            if status != last:
+                yield self.pb.HealthCheckResponse(status=status).SerializeToString()
+                last = status
+            if self.closing.is_set():
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.closing.wait(), HEALTH_POLL_S)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(HEALTH_SERVICE, {
+            "Check": grpc.unary_unary_rpc_method_handler(self.check),
+            "Watch": grpc.unary_stream_rpc_method_handler(self.watch),
+        })
 
 
 class GrpcServer:
@@ -259,13 +308,10 @@ class GrpcServer:
     `grpc.health.v1.Health` (SERVING once every model has a live version; Kubernetes gRPC probes)."""
 
     def __init__(self, config: ServeConfig, core: ServingCore, *, reuse_port: bool = False) -> None:
-        from grpc_health.v1 import health, health_pb2_grpc
-
         self.config = config
         self.core = core
         self.api = GrpcApi(config, core)
-        self.health = _current_health(health.aio.HealthServicer, self._update_health)()
-        self._health_task: asyncio.Task | None = None
+        self.health = Health(core)
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", config.max_body_bytes),
@@ -274,8 +320,7 @@ class GrpcServer:
                 ("grpc.so_reuseport", 1 if reuse_port else 0),
             ],
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self._server.add_generic_rpc_handlers(self.api.handlers())  # after Health: ends with a catch-all
+        self._server.add_generic_rpc_handlers([self.health.handler(), *self.api.handlers()])  # ends with a catch-all
         host = f"[{config.host}]" if ":" in config.host else config.host
         address = f"{host}:{config.grpc_port}"
         try:
@@ -286,31 +331,15 @@ class GrpcServer:
             raise OSError(f"--grpc-port {config.grpc_port}: cannot listen on {address} (in use?)")
 
     async def start(self) -> "GrpcServer":
-        await self._update_health()
         await self._server.start()
-        self._health_task = asyncio.ensure_future(self._watch_health())
         log.info("gRPC on %s:%d (PredictionService, ModelService, Health)", self.config.host, self.port)
         return self
-
-    async def _update_health(self) -> None:
-        from grpc_health.v1 import health_pb2
-
-        status = health_pb2.HealthCheckResponse.SERVING if self.core.ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in HEALTH_SERVICES:
-            await self.health.set(service, status)
-
-    async def _watch_health(self) -> None:
-        while True:
-            await asyncio.sleep(HEALTH_POLL_S)
-            await self._update_health()
 
     async def stop(self, grace_s: float) -> int:
         """Refuse new RPCs now, let running ones finish for up to `grace_s`; returns how many had
         to be abandoned."""
         loop = asyncio.get_running_loop()
-        if self._health_task is not None:
-            self._health_task.cancel()
-        await self.health.enter_graceful_shutdown()
+        self.health.closing.set()
         stopping = asyncio.ensure_future(self._server.stop(grace_s))
         deadline = loop.time() + grace_s
         while self.api.in_flight and loop.time() < deadline:

@@ -20,15 +20,17 @@ from typing import Any, Mapping
 import numpy as np
 import orjson
 
+from common.versions import version_number
+from serve.core import CLASSIFY_FEATURES, check_rows
 from serve.errors import InvalidArgument
 from serve.models import Signature
 from serve.tensors import NUMPY_DTYPES
 
 # The URL grammar of TF Serving's http_rest_api_handler.cc (case-insensitive).
 _PREDICT_RE = re.compile(
-    r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)"
+    r"(?i)/v1/models/([^/:]+)(?:(?:/versions/([0-9]+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)"
 )
-_STATUS_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:/(metadata))?")
+_STATUS_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/([0-9]+))|(?:/labels/([^/:]+)))?(?:/(metadata))?")
 
 
 @dataclass(frozen=True)
@@ -40,28 +42,73 @@ class ModelPath:
     """`predict`, `classify`, `regress` for POST; `metadata` or None (status) for GET."""
 
 
-@functools.lru_cache(maxsize=1024)  # clients repeat the same few paths
+CACHED_PATH_CHARS = 256
+"""Paths up to this long are remembered (clients repeat the same few); longer ones are parsed each
+time, so the cache cannot be grown by clients sending long made-up model names."""
+
+
 def parse_model_path(method: str, raw_path: str) -> ModelPath:
     """Match a /v1/models/... path (raw, still URL-encoded) like TF Serving; names are URL-decoded."""
+    if len(raw_path) <= CACHED_PATH_CHARS:
+        return _cached_model_path(method, raw_path)
+    return _model_path(method, raw_path)
+
+
+def _model_path(method: str, raw_path: str) -> ModelPath:
     regex = _PREDICT_RE if method == "POST" else _STATUS_RE
     match = regex.fullmatch(raw_path)
     if match is None or (method != "POST" and match.group(1) is None):
         raise InvalidArgument(f"Malformed request: {method} {urllib.parse.unquote(raw_path)}")
     name, version, label, verb = match.groups()
-    if version is not None and len(version) > 18:
+    number = version_number(version) if version is not None else None
+    if version is not None and number is None:
         raise InvalidArgument(f"Malformed request: version {version} is too large")
     return ModelPath(
         name=urllib.parse.unquote(name),
-        version=int(version) if version is not None else None,
+        version=number,
         label=urllib.parse.unquote(label) if label is not None else None,
         verb=verb.lower() if verb else None,
     )
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """Body bytes -> JSON object; non-UTF-8, invalid JSON and non-objects are InvalidArgument."""
+_cached_model_path = functools.lru_cache(maxsize=1024)(_model_path)
+
+VALUES_PER_ROW = 64
+"""JSON values (objects, arrays, strings, numbers...) a request body may hold per row it may send."""
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def max_json_values(max_rows: int) -> int:
+    """The most JSON values a request body may hold: what decoding costs is the number of Python
+    objects it builds (a 4 MB body is 1.3M empty lists, or 1M one-letter strings), not its bytes."""
+    return VALUES_PER_ROW * max_rows + 64
+
+
+def check_json_values(raw: bytes, limit: int) -> None:
+    """InvalidArgument if `raw` would decode into more than `limit` values, in a few milliseconds
+    for 4 MB. Every value but the first follows a comma or opens a container, so commas plus
+    brackets bound the count; when that bound is too high, the strings (each a pair of unescaped
+    quotes) are counted, and if they are few, skipped, since commas and brackets inside them are
+    text, and the rest is counted again."""
+    if raw.count(b",") + raw.count(b"{") + raw.count(b"[") <= limit:
+        return
+    count = (raw.count(b'"') - raw.count(b'\\"')) // 2  # at least half the strings, whatever their text
+    if count <= limit:
+        bare = _JSON_STRING.sub(b"", raw)  # at most 2 x limit strings to skip
+        count = bare.count(b",") + bare.count(b"{") + bare.count(b"[")
+    if count > limit:
+        raise InvalidArgument(f"request body holds about {count} JSON values, more than the limit of {limit} "
+                              f"({VALUES_PER_ROW} per row of --max-rows-per-request): send fewer per request")
+
+
+def parse_json(raw: bytes, max_rows: int | None = None) -> dict[str, Any]:
+    """Body bytes -> JSON object; non-UTF-8, invalid JSON and non-objects are InvalidArgument.
+    With `max_rows`, a body that would build more values than such a request needs is refused
+    before it is decoded."""
     if not raw:
         raise InvalidArgument("request body is empty: expected a JSON object")
+    if max_rows is not None:
+        check_json_values(raw, max_json_values(max_rows))
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -138,8 +185,11 @@ def _column(name: str, values: list[Any], dtype: str, where: str) -> np.ndarray:
 # -- predict -----------------------------------------------------------------------------------
 
 
-def parse_predict(body: Mapping[str, Any], signature: Signature) -> tuple[dict[str, np.ndarray], bool]:
-    """Predict request -> (input arrays by name, row_format)."""
+def parse_predict(
+    body: Mapping[str, Any], signature: Signature, max_rows: int
+) -> tuple[dict[str, np.ndarray], bool]:
+    """Predict request -> (input arrays by name, row_format). The row count is checked against
+    `max_rows` before any row is converted."""
     has_instances, has_inputs = "instances" in body, "inputs" in body
     if has_instances and has_inputs:
         raise InvalidArgument("Not a valid request: both 'instances' and 'inputs' given; use one of them")
@@ -150,6 +200,7 @@ def parse_predict(body: Mapping[str, Any], signature: Signature) -> tuple[dict[s
         instances = body["instances"]
         if not isinstance(instances, list):
             raise InvalidArgument(f"'instances' must be a list, got {describe(instances)}")
+        check_rows(len(instances), max_rows)
         columns: dict[str, list[Any]] = {n: [] for n in names}
         for i, item in enumerate(instances):
             named = isinstance(item, dict) and set(item) != {"b64"}
@@ -174,9 +225,9 @@ def parse_predict(body: Mapping[str, Any], signature: Signature) -> tuple[dict[s
         raise InvalidArgument(f"'inputs' must be an object with keys {names}")
     arrays = {}
     for n in names:
-        values = by_name[n]
-        arrays[n] = _column(n, values if isinstance(values, list) else [values], signature.inputs[n].dtype,
-                            f"inputs[{n!r}]")
+        values = by_name[n] if isinstance(by_name[n], list) else [by_name[n]]
+        check_rows(len(values), max_rows)
+        arrays[n] = _column(n, values, signature.inputs[n].dtype, f"inputs[{n!r}]")
     return arrays, False
 
 
@@ -223,21 +274,27 @@ def format_predict(outputs: Mapping[str, np.ndarray], row_format: bool) -> dict[
 # -- classify ----------------------------------------------------------------------------------
 
 
-def _feature(feature, value: Any, where: str) -> None:
+def _feature(feature, value: Any, where: str):  # noqa: ANN001, ANN202 - a tf.train.Feature
+    """A JSON feature value (a value or a list of them) written into `feature`, which is returned."""
     values = value if isinstance(value, list) else [value]
     if not values:
-        return
+        return feature
     if all(isinstance(v, (bool, int)) for v in values):
         feature.int64_list.value.extend(int(v) for v in values)
     elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         feature.float_list.value.extend(float(v) for v in values)
     else:
         feature.bytes_list.value.extend(_bytes_value(v, where) for v in values)
+    return feature
 
 
-def parse_classify(body: Mapping[str, Any]) -> tuple[str, list]:
-    """Classify request -> (signature_name or "", a tf.train.Example per example, context merged in)."""
-    from tensorflow.core.example import example_pb2  # TensorFlow is loaded with the model by now
+def parse_classify(body: Mapping[str, Any], max_rows: int) -> tuple[str, list[dict], dict]:
+    """Classify request -> (signature_name or "", per-example features, context features).
+
+    Only the features the model reads (`CLASSIFY_FEATURES`) are converted, and the example count is
+    checked first: a large context or many empty examples cost nothing. The core merges the
+    context into each example."""
+    from tensorflow.core.example import feature_pb2  # TensorFlow is loaded with the model by now
 
     name = signature_name(body, default="")
     examples = body.get("examples")
@@ -245,18 +302,24 @@ def parse_classify(body: Mapping[str, Any]) -> tuple[str, list]:
         raise InvalidArgument("Missing 'examples' key")
     if not isinstance(examples, list):
         raise InvalidArgument(f"'examples' must be a list of objects, got {describe(examples)}")
+    check_rows(len(examples), max_rows)
     context = body.get("context", {})
     if not isinstance(context, dict):
         raise InvalidArgument("'context' must be an object of features")
-    protos = []
+
+    def features(values: dict, where: str) -> dict:
+        out = {}
+        for key in CLASSIFY_FEATURES:
+            if key in values:
+                out[key] = _feature(feature_pb2.Feature(), values[key], f"{where}.{key}")
+        return out
+
+    rows = []
     for i, ex in enumerate(examples):
         if not isinstance(ex, dict):
             raise InvalidArgument(f"examples[{i}]: expected an object of features, got {describe(ex)}")
-        proto = example_pb2.Example()
-        for key, value in {**context, **ex}.items():
-            _feature(proto.features.feature[key], value, f"examples[{i}].{key}")
-        protos.append(proto)
-    return name, protos
+        rows.append(features(ex, f"examples[{i}]"))
+    return name, rows, features(context, "context")
 
 
 def format_classify(classes: np.ndarray, scores: np.ndarray) -> dict[str, Any]:
@@ -269,13 +332,14 @@ def format_classify(classes: np.ndarray, scores: np.ndarray) -> dict[str, Any]:
 # -- friendly API ------------------------------------------------------------------------------
 
 
-def parse_sentiment(body: Mapping[str, Any]) -> list[bytes]:
+def parse_sentiment(body: Mapping[str, Any], max_rows: int) -> list[bytes]:
     """`{"texts": ["...", ...]}` -> UTF-8 texts (checked by the core)."""
     texts = body.get("texts")
     if texts is None:
         raise InvalidArgument("Missing 'texts' key: expected {\"texts\": [\"review\", ...]}")
     if not isinstance(texts, list):
         raise InvalidArgument(f"'texts' must be a list of strings, got {describe(texts)}")
+    check_rows(len(texts), max_rows)
     out = []
     for i, text in enumerate(texts):
         if not isinstance(text, str):

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common.versions import MAX_VERSION, version_number
 from serve.config import ServeConfig, VersionPolicy
 from serve.errors import NotFound, Unavailable
 from serve.models import LoadedModel, LoadError
@@ -75,34 +76,67 @@ class Files:
     size: int
     newest_change: float
     """Newest st_ctime of its files: cp -a can backdate mtimes, not ctimes."""
+    unreadable: str = ""
+    """Why part of the directory could not be read (permissions), or ""."""
 
     def signature(self) -> tuple:
-        return self.count, self.size, self.newest_change
+        return self.count, self.size, self.newest_change, self.unreadable
 
 
 def scan(version_dir: Path) -> Files:
+    """Never raises: a directory this process may not read is reported as `unreadable`."""
     count = size = 0
     newest = 0.0
-    for root, _dirs, files in os.walk(version_dir):
+    errors: list[OSError] = []
+    for root, _dirs, files in os.walk(version_dir, onerror=errors.append):
         for name in files:
             try:
                 st = os.stat(os.path.join(root, name))
             except FileNotFoundError:
                 continue
+            except OSError as exc:
+                errors.append(exc)
+                continue
             count += 1
             size += st.st_size
             newest = max(newest, st.st_ctime, st.st_mtime)
-    complete = (version_dir / "saved_model.pb").is_file() and (version_dir / VARIABLES_INDEX).is_file()
-    return Files(complete, count, size, newest)
+    unreadable = next((exc.strerror or type(exc).__name__ for exc in errors if not isinstance(exc, FileNotFoundError)), "")
+    complete = not unreadable and all(
+        os.path.isfile(version_dir / name) for name in ("saved_model.pb", VARIABLES_INDEX))
+    return Files(complete, count, size, newest, unreadable)
 
 
-def version_dirs(base_path: str | os.PathLike) -> dict[int, Path]:
-    """Integer subdirectories of the base path (hidden and temporary directories are ignored)."""
+def version_dirs(base_path: str | os.PathLike) -> tuple[dict[int, Path], list[str]]:
+    """(version -> directory, names skipped): subdirectories named like TF Serving's versions
+    (ASCII digits within int64); hidden and temporary ones are ignored silently, other names are
+    returned to be reported. A base path that cannot be listed holds no versions."""
     try:
-        entries = list(os.scandir(base_path))
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-    return {int(e.name): Path(e.path) for e in entries if e.name.isdigit() and e.is_dir()}
+        entries = sorted(os.scandir(base_path), key=lambda e: e.name)
+    except OSError:
+        return {}, []
+    found: dict[int, Path] = {}
+    skipped: list[str] = []
+    for entry in entries:
+        if entry.name.startswith(".") or not _is_dir(entry):
+            continue
+        version = version_number(entry.name)
+        if version is None:
+            skipped.append(entry.name)
+        elif version not in found:
+            found[version] = Path(entry.path)
+        elif entry.name == str(version):  # "7" wins over "07"
+            skipped.append(found[version].name)
+            found[version] = Path(entry.path)
+        else:
+            skipped.append(entry.name)
+    return found, skipped
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def select_versions(source: ModelSource, candidates: list[int]) -> list[int]:
@@ -140,6 +174,10 @@ class ModelRegistry:
         self._failed: dict[int, tuple[tuple, int, float]] = {}  # version -> (files, attempts, retry after)
         self._refresh_lock = threading.Lock()
         self._first_pass_done = False
+        self._pending = False
+        """A complete version is waiting to settle: it may load at the next poll."""
+        self._reported: set[str] = set()
+        """Directory entries already reported as unusable (each is logged once)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -150,6 +188,13 @@ class ModelRegistry:
         """A version is live and the first pass over the versions on disk is done (so a server
         with several versions to serve is ready once all of them loaded)."""
         return bool(self._live) and self._first_pass_done
+
+    @property
+    def loading(self) -> bool:
+        """This model may become ready soon: its first look at the disk is not finished, or a
+        complete version is settling. A model with nothing loadable (no base path, only
+        broken versions) is not loading: it does not hold the server's readiness back."""
+        return not self._first_pass_done or self._pending
 
     @property
     def live_versions(self) -> list[int]:
@@ -197,7 +242,8 @@ class ModelRegistry:
         then unload the rest. `settle=False` takes every complete version as finished (start-up
         without polling)."""
         with self._refresh_lock:
-            dirs = version_dirs(self.source.base_path)
+            dirs, skipped = version_dirs(self.source.base_path)
+            self._report_skipped(skipped)
             candidates = self._settled(dirs, settle)
             wanted = self._load_wanted(candidates)
             if wanted or not candidates:
@@ -206,19 +252,37 @@ class ModelRegistry:
             self._tidy_status(wanted, dirs)
             self._first_pass_done = True
 
+    def _report_skipped(self, skipped: list[str]) -> None:
+        for name in skipped:
+            if name not in self._reported:
+                self._reported.add(name)
+                log.warning("model %s: ignoring %r under its base path: a version directory is named by an integer "
+                            "in 0..%d written in ASCII digits", self.name, name, MAX_VERSION)
+
     def _settled(self, dirs: dict[int, Path], settle: bool) -> list[int]:
         now = time.time()
         settled = []
         seen: dict[int, Files] = {}
+        pending = False
         for version, path in dirs.items():
             files = seen[version] = scan(path)
+            if files.unreadable:
+                key = f"{version}: {files.unreadable}"
+                if key not in self._reported:
+                    self._reported.add(key)
+                    log.warning("model %s version %d: cannot read its directory (%s); skipped until it can be read",
+                                self.name, version, files.unreadable)
+                continue
             if not files.complete:
                 continue
             previous = self._seen.get(version)
             unchanged = previous is not None and previous.signature() == files.signature()
             if version in self._live or not settle or unchanged or now - files.newest_change >= SETTLE_S:
                 settled.append(version)
+            else:
+                pending = True
         self._seen = seen
+        self._pending = pending
         return settled
 
     def _load_wanted(self, candidates: list[int]) -> set[int]:
@@ -312,7 +376,10 @@ class ModelRegistry:
             try:
                 self.refresh(settle=polling)
                 if not self._live and not self._status and not warned:
-                    log.warning("no servable versions of model %s under %s yet", self.name, self.source.base_path)
+                    where = self.source.base_path
+                    log.warning("model %s: %s; it is not served until a version appears (other models serve on)",
+                                self.name, f"no servable versions under {where} yet" if os.path.isdir(where)
+                                else f"its base path {where} does not exist")
                     warned = True
             except Exception:  # noqa: BLE001 - keep polling
                 log.exception("model poll failed")

@@ -37,10 +37,11 @@ class RestApi:
         batcher = core.arriving(path.name)
         try:
             model = core.model(path.name, path.version, path.label)
-            body = protocol.parse_json(await request.body())
+            max_rows = self.config.max_rows_per_request
+            body = protocol.parse_json(await request.body(), max_rows)
             if path.verb == "predict":
                 signature_name = protocol.signature_name(body)
-                inputs, row_format = protocol.parse_predict(body, model.signature(signature_name))
+                inputs, row_format = protocol.parse_predict(body, model.signature(signature_name), max_rows)
                 batcher = _arrived(batcher)
                 outputs = await core.predict(
                     model, signature_name, inputs,
@@ -48,9 +49,9 @@ class RestApi:
                 )
                 return json_response(protocol.format_predict(outputs, row_format))
             if path.verb == "classify":
-                signature_name, examples = protocol.parse_classify(body)
+                signature_name, examples, context = protocol.parse_classify(body, max_rows)
                 batcher = _arrived(batcher)
-                _, outputs = await core.classify(model, signature_name, examples)
+                _, outputs = await core.classify(model, signature_name, examples, context)
                 return json_response(protocol.format_classify(outputs["classes"], outputs["scores"]))
             model.signature_for_method(REGRESS_METHOD, protocol.signature_name(body, default=""))
             raise InvalidArgument("regression is not supported by this server")
@@ -84,7 +85,8 @@ class RestApi:
     async def sentiment(self, request: Request) -> Response:
         batcher = self.core.arriving(self.core.default_model)
         try:
-            texts = protocol.parse_sentiment(protocol.parse_json(await request.body()))
+            max_rows = self.config.max_rows_per_request
+            texts = protocol.parse_sentiment(protocol.parse_json(await request.body(), max_rows), max_rows)
         finally:
             _arrived(batcher)
         version, results = await self.core.sentiment(texts)
@@ -99,18 +101,19 @@ class RestApi:
         return json_response({"status": "ok"})
 
     async def readyz(self, _request: Request) -> Response:
-        core = self.core
-        if core.draining:
-            return Response(error_body("not ready: shutting down"), 503)
-        waiting = [name for name, registry in core.models.items() if not registry.ready]
-        if waiting:
-            what = "no model version loaded and warmed up yet" if len(core.models) == 1 else (
-                f"no version of {', '.join(waiting)} loaded and warmed up yet")
+        state = self.core.readiness()
+        if not state.ready:
+            if state.draining:
+                return Response(error_body("not ready: shutting down"), 503)
+            names = state.waiting or state.unavailable
+            what = "no model version loaded and warmed up yet" if len(state.live_versions) == 1 else (
+                f"no version of {', '.join(names)} loaded and warmed up yet")
             return Response(error_body(f"not ready: {what}"), 503)
-        registry = core.models[core.default_model]
-        return json_response({"status": "ready", "model": registry.name,
-                              "versions": [str(v) for v in registry.live_versions],
-                              "models": {name: [str(v) for v in r.live_versions] for name, r in core.models.items()}})
+        default = self.core.default_model
+        return json_response({"status": "ready", "model": default,
+                              "versions": [str(v) for v in state.live_versions.get(default, [])],
+                              "models": {n: [str(v) for v in vs] for n, vs in state.live_versions.items()},
+                              **({"unavailable": state.unavailable} if state.unavailable else {})})
 
     async def metrics(self, _request: Request) -> Response:
         return Response(self.core.metrics.render(), content_type=CONTENT_TYPE_LATEST.encode())

@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from common.versions import version_number
 from serve import protocol
 from serve.asgi import JSON, HttpError, Request, Response, Route, dumps, json_response
-from serve.core import ServingCore
+from serve.core import ServingCore, check_declared_shape
 from serve.errors import InvalidArgument
 from serve.models import LoadedModel
 
@@ -68,9 +69,10 @@ class V2Api:
         name = urllib.parse.unquote(request.match["name"])
         version = request.match["version"]
         if version is not None:
-            if not version.isdigit() or len(version) > 18:
+            number = version_number(version)
+            if number is None:
                 raise InvalidArgument(f"model version must be an integer, got {urllib.parse.unquote(version)!r}")
-            return name, self.core.model(name, int(version))
+            return name, self.core.model(name, number)
         return name, self.core.model(name)
 
     async def model(self, request: Request) -> Response:
@@ -101,9 +103,9 @@ class V2Api:
             body = await request.body()
             header_length = request.header(HEADER_LENGTH)
             head, binary = _split_body(body, header_length)
-            infer = protocol.parse_json(head)
+            infer = protocol.parse_json(head, self.core.config.max_rows_per_request)
             signature = model.signature(SIGNATURE)
-            inputs = _decode_inputs(infer, signature, binary)
+            inputs = _decode_inputs(infer, signature, binary, self.core.config)
             wanted, binary_out = _requested_outputs(infer, signature)
         finally:
             if batcher is not None:
@@ -148,7 +150,26 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     return body[:n], body[n:]
 
 
-def _decode_inputs(infer: dict, signature, binary: bytes) -> dict[str, np.ndarray]:  # noqa: ANN001
+def _parameters(obj: dict, where: str) -> dict:
+    """The `parameters` object of a request, an input or an output ({} when absent)."""
+    parameters = obj.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise InvalidArgument(f"{where}: 'parameters' must be an object, got {protocol.describe(parameters)}")
+    return parameters
+
+
+def _flag(parameters: dict, key: str, default: bool, where: str) -> bool:
+    value = parameters.get(key, default)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{where}: parameter {key!r} must be true or false, got {protocol.describe(value)}")
+    return value
+
+
+def _decode_inputs(infer: dict, signature, binary: bytes, config) -> dict[str, np.ndarray]:  # noqa: ANN001
+    """Every input tensor; a declared shape is checked (rank, rows, size) before anything is
+    allocated for it, and binary data must be long enough for it."""
     inputs = infer.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise InvalidArgument("'inputs' must be a non-empty list of tensors")
@@ -167,34 +188,48 @@ def _decode_inputs(infer: dict, signature, binary: bytes) -> dict[str, np.ndarra
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
             raise InvalidArgument(f"input {name!r}: 'shape' must be a list of non-negative integers")
-        count = int(np.prod(shape)) if shape else 1
-        size = (tensor.get("parameters") or {}).get("binary_data_size")
+        count = check_declared_shape(signature, name, shape, config)
+        size = _parameters(tensor, f"input {name!r}").get("binary_data_size")
         if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
                 raise InvalidArgument(f"input {name!r}: binary_data_size {size!r} does not fit the binary data")
             values = _from_binary(binary[offset:offset + size], datatype, count, name)
             offset += size
         else:
-            values = _from_json(tensor.get("data"), datatype, count, name)
+            values = _from_json(tensor.get("data"), datatype, count, len(shape), name)
         arrays[name] = values.reshape(shape)
     if offset != len(binary):
         raise InvalidArgument(f"{len(binary) - offset} bytes of binary data are not claimed by any input")
     return arrays
 
 
-def _flatten(data: Any) -> list:
+def _flatten(data: Any, count: int, rank: int, name: str) -> list:
+    """`data` flat (V2 accepts it flat or nested as the shape), without recursion: nesting deeper
+    than the shape's rank, or more values than it holds, is refused as soon as it is seen."""
     if not isinstance(data, list):
         return [data]
     out: list = []
-    for item in data:
-        out.extend(_flatten(item) if isinstance(item, list) else [item])
+    stack = [(iter(data), 1)]
+    while stack:
+        items, depth = stack[-1]
+        for item in items:
+            if isinstance(item, list):
+                if depth >= max(rank, 1):
+                    raise InvalidArgument(f"input {name!r}: 'data' is nested deeper than its {rank}-dimensional shape")
+                stack.append((iter(item), depth + 1))
+                break
+            out.append(item)
+            if len(out) > count:
+                raise InvalidArgument(f"input {name!r}: the shape holds {count} elements but 'data' has more")
+        else:
+            stack.pop()
     return out
 
 
-def _from_json(data: Any, datatype: str, count: int, name: str) -> np.ndarray:
+def _from_json(data: Any, datatype: str, count: int, rank: int, name: str) -> np.ndarray:
     if data is None:
         raise InvalidArgument(f"input {name!r}: no 'data' (and no binary_data_size)")
-    values = _flatten(data)
+    values = _flatten(data, count, rank, name)
     if len(values) != count:
         raise InvalidArgument(f"input {name!r}: the shape holds {count} elements but 'data' has {len(values)}")
     if datatype == "BYTES":
@@ -216,10 +251,10 @@ def _from_binary(raw: bytes, datatype: str, count: int, name: str) -> np.ndarray
         if len(raw) != count * itemsize:
             raise InvalidArgument(f"input {name!r}: {len(raw)} bytes of binary data for {count} {datatype} elements")
         return np.frombuffer(raw, dtype=NUMPY[datatype]).copy()
+    if len(raw) < 4 * count:  # every element has a 4-byte length: check before allocating
+        raise InvalidArgument(f"input {name!r}: {len(raw)} bytes of binary data cannot hold {count} BYTES elements")
     array, at = np.empty(count, dtype=object), 0
     for i in range(count):
-        if at + 4 > len(raw):
-            raise InvalidArgument(f"input {name!r}: binary BYTES data ends before element {i}")
         (length,) = struct.unpack_from("<I", raw, at)
         at += 4
         if at + length > len(raw):
@@ -232,7 +267,7 @@ def _from_binary(raw: bytes, datatype: str, count: int, name: str) -> np.ndarray
 
 
 def _requested_outputs(infer: dict, signature) -> tuple[list[str], dict[str, bool]]:  # noqa: ANN001
-    default_binary = bool((infer.get("parameters") or {}).get("binary_data_output", False))
+    default_binary = _flag(_parameters(infer, "request"), "binary_data_output", False, "request")
     requested = infer.get("outputs")
     if requested is None:
         return list(signature.outputs), {name: default_binary for name in signature.outputs}
@@ -246,7 +281,7 @@ def _requested_outputs(infer: dict, signature) -> tuple[list[str], dict[str, boo
         if name not in signature.outputs:
             raise InvalidArgument(f"unexpected inference output {name!r}; the model has {sorted(signature.outputs)}")
         wanted.append(name)
-        binary[name] = bool((output.get("parameters") or {}).get("binary_data", default_binary))
+        binary[name] = _flag(_parameters(output, f"output {name!r}"), "binary_data", default_binary, f"output {name!r}")
     return wanted, binary
 
 

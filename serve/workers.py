@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import threading
@@ -26,12 +27,30 @@ RESTART_WINDOW_S = 30.0
 MAX_QUICK_DEATHS = 3
 
 
-def _worker_main(config: ServeConfig, sock: socket.socket, index: int) -> None:
+PARENT_CHECK_S = 0.25
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose supervisor died (kill -9, OOM) drains and exits instead of holding the ports:
+    a thread notices the new parent and sends this process the SIGTERM the supervisor would have."""
+    import os
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        log.warning("the supervisor (pid %d) is gone: draining and exiting", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: int) -> None:
     import sys
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the supervisor decides
     early: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: early.append(signum))  # until the server takes over
+    _exit_with_parent(parent)
 
     from serve.server import run_worker
 
@@ -51,7 +70,8 @@ def supervise(config: ServeConfig, sock: socket.socket) -> int:
         signal.signal(sig, on_signal)
 
     def start(index: int) -> tuple[multiprocessing.Process, float]:
-        process = context.Process(target=_worker_main, args=(config, sock, index), name=f"serve-worker-{index}")
+        process = context.Process(target=_worker_main, args=(config, sock, index, os.getpid()),
+                                  name=f"serve-worker-{index}")
         process.start()
         return process, time.monotonic()
 

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,9 +39,11 @@ class ServerProcess:
         ready_timeout: float = 90.0,
         wait_for: str = "/readyz",
         model_args: tuple[str, ...] | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         """Start the server and wait until `wait_for` answers 200 (`/healthz`: only until it listens).
-        `model_args` replace `--model-dir model_dir` (e.g. `--model-config-file F`)."""
+        `model_args` replace `--model-dir model_dir` (e.g. `--model-config-file F`); `prefix` runs
+        it under another command (e.g. `setpriv` to drop privileges)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_target = None
@@ -53,7 +56,7 @@ class ServerProcess:
         # As a user would start it: the server keeps TensorFlow's C++ lines out of its log itself.
         env = {**{k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serve", *(model_args or ("--model-dir", str(model_dir))), "--host", "127.0.0.1",
+            [*prefix, sys.executable, "-m", "serve", *(model_args or ("--model-dir", str(model_dir))), "--host", "127.0.0.1",
              "--port", str(self.port), *args],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )
@@ -89,6 +92,11 @@ class ServerProcess:
             assert time.monotonic() < end, f"{now} request(s) in flight after {timeout}s, waiting for {count}"
             time.sleep(0.02)
 
+    def rss_mib(self) -> float:
+        """The server process's resident memory now."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+
     def log(self) -> str:
         if not self._log.closed:
             self._log.flush()
@@ -107,3 +115,36 @@ class ServerProcess:
             return self.proc.wait()
         finally:
             self._log.close()
+
+
+class HealthProbe:
+    """While open, asks `/healthz` every 20 ms on its own connection and keeps the slowest answer:
+    what a small request costs other clients (`with HealthProbe(url) as probe: ...; probe.worst_s`)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url + "/healthz"
+        self.worst_s = 0.0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        session = requests.Session()
+        while not self._stop.wait(0.02):
+            start = time.perf_counter()
+            try:
+                ok = session.get(self.url, timeout=5).status_code == 200
+            except requests.RequestException:
+                ok = False
+            self.worst_s = max(self.worst_s, time.perf_counter() - start)
+            self.failures += not ok
+
+    def __enter__(self) -> "HealthProbe":
+        self._thread.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.1)
+        self._stop.set()
+        self._thread.join()

@@ -263,7 +263,7 @@ def test_parse_predict_row_and_columnar_forms():
         ({"inputs": ["good", {"b64": "YmFk"}, "ok"]}, False),
         ({"inputs": {"text": ["good", "bad", "ok"]}}, False),
     ]:
-        arrays, row_format = parse_predict(body, TEXT_SIG)
+        arrays, row_format = parse_predict(body, TEXT_SIG, CONFIG.max_rows_per_request)
         assert row_format is row
         assert list(arrays["text"])[:2] == [b"good", b"bad"]
 
@@ -286,7 +286,7 @@ def test_parse_predict_row_and_columnar_forms():
 ])
 def test_predict_decoding_and_validation_errors(body, message):
     with pytest.raises(errors.InvalidArgument, match=message):
-        arrays, _ = parse_predict(body, TEXT_SIG)
+        arrays, _ = parse_predict(body, TEXT_SIG, CONFIG.max_rows_per_request)
         validate_inputs(TEXT_SIG, arrays, CONFIG)
 
 
@@ -321,17 +321,14 @@ def test_format_predict_shapes():
     assert np.array(json.loads(dumps(p)), np.float32).tobytes() == p.tobytes()
 
 
-def test_parse_classify_builds_examples_with_context():
-    from tensorflow.core.example import example_pb2
-
-    name, examples = parse_classify(
-        {"signature_name": "classify", "context": {"lang": "en"}, "examples": [{"text": "good"}, {"text": "bad", "n": 3}]})
+def test_parse_classify_converts_only_the_model_features():
+    name, rows, context = parse_classify(
+        {"signature_name": "classify", "context": {"lang": "en", "text": "shared"},
+         "examples": [{"text": "good"}, {"n": 3}, {"text": "bad", "k": list(range(10_000))}]}, 4)
     assert name == "classify"
-    ex = examples[1]
-    assert isinstance(ex, example_pb2.Example)
-    assert ex.features.feature["text"].bytes_list.value == [b"bad"]
-    assert ex.features.feature["lang"].bytes_list.value == [b"en"]
-    assert ex.features.feature["n"].int64_list.value == [3]
+    assert [sorted(r) for r in rows] == [["text"], [], ["text"]]  # `n`, `k` and `lang` are never converted
+    assert rows[2]["text"].bytes_list.value == [b"bad"]
+    assert list(context) == ["text"] and context["text"].bytes_list.value == [b"shared"]
     results = format_classify(np.array([[b"negative", b"positive"]], dtype=object), np.array([[0.25, 0.75]], np.float32))
     assert json.loads(dumps(results)) == {"results": [[["negative", 0.25], ["positive", 0.75]]]}
 
@@ -340,10 +337,12 @@ def test_parse_classify_builds_examples_with_context():
     ({}, "Missing 'examples'"), ({"examples": {}}, "must be a list"), ({"examples": ["x"]}, "expected an object"),
     ({"examples": [{"text": "a"}], "context": []}, "'context' must be an object"),
     ({"examples": [{"text": None}]}, r"examples\[0\].text: expected a string"),
+    ({"examples": [{}] * 5}, "5 instances in one request, more than the limit of 4"),
+    ({"examples": []}, "at least one"),
 ])
 def test_parse_classify_errors(body, message):
     with pytest.raises(errors.InvalidArgument, match=message):
-        parse_classify(body)
+        parse_classify(body, 4)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -353,5 +352,5 @@ def test_parse_classify_errors(body, message):
 ])
 def test_sentiment_decoding_and_validation_errors(body, message):
     with pytest.raises(errors.InvalidArgument, match=message):
-        texts = parse_sentiment(body)
+        texts = parse_sentiment(body, CONFIG.max_rows_per_request)
         validate_inputs(TEXT_SIG, {"text": np.array(texts, dtype=object)}, CONFIG, lambda _n, i: f"texts[{i}]")

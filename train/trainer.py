@@ -32,7 +32,7 @@ from tensorflow.experimental import dtensor
 
 from common import mesh as meshlib
 from common.mesh_spec import FEATURE
-from common.model import ModelConfig
+from common.model import DamagedCheckpoint, ModelConfig, verify_checkpoint
 from common.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -40,6 +40,7 @@ from common.run_dir import (
     TEST_FILE,
     atomic_write_json,
     checkpoint_name,
+    checkpoint_prefix,
     checkpoint_steps,
     clean_leftovers,
     read_best,
@@ -98,6 +99,7 @@ def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
     if len(splits.train.texts) < config.batch_size:
         raise TrainingError(f"--batch-size {config.batch_size} is larger than the {len(splits.train.texts)} "
                             "training examples")
+    run_dir.mkdir(parents=True, exist_ok=True)  # only now: bad data or flags leave no empty run directory
     chief = config.client_id == 0
     vectorizer, model_config = _prepare_vocabulary(config, run_dir, splits.train, resuming, mesh, chief)
     meshlib.check_divisible(mesh, batch_size=config.batch_size, max_tokens=model_config.max_tokens,
@@ -131,8 +133,11 @@ def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
 
 
 def _prepare_run_dir(config: TrainConfig) -> tuple[Path, bool]:
+    """(run directory, resuming?), after checking that a run to resume can be resumed; the
+    directory itself is created once the data has loaded."""
     run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainingError(f"--run-dir {run_dir} is a file, not a directory")
     if config.client_id == 0:
         clean_leftovers(run_dir / CHECKPOINT_DIR)
     resuming = bool(checkpoint_steps(run_dir))
@@ -140,7 +145,20 @@ def _prepare_run_dir(config: TrainConfig) -> tuple[Path, bool]:
         raise TrainingError(f"--run-dir {run_dir} already has checkpoints; pass --resume or pick a new --run-dir")
     if resuming and not (run_dir / VOCABULARY_FILE).exists():
         raise TrainingError(f"{run_dir / VOCABULARY_FILE} is missing: cannot resume without the vocabulary")
+    if resuming:
+        _check_latest_checkpoint(run_dir)
     return run_dir, resuming
+
+
+def _check_latest_checkpoint(run_dir: Path) -> None:
+    """A damaged latest checkpoint stops the resume with what to do, before DTensor touches it."""
+    steps = checkpoint_steps(run_dir)
+    try:
+        verify_checkpoint(checkpoint_prefix(run_dir, steps[-1]))
+    except DamagedCheckpoint as exc:
+        earlier = f"resume from {checkpoint_name(steps[-2])} instead" if len(steps) > 1 else "start over"
+        raise TrainingError(f"{exc}; to {earlier}, delete its files ({run_dir / CHECKPOINT_DIR}/"
+                            f"{checkpoint_name(steps[-1])}.*) and run again, or pick a new --run-dir") from None
 
 
 def _prepare_vocabulary(config: TrainConfig, run_dir: Path, train: Split, resuming: bool, mesh: dtensor.Mesh,
