@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from common.model import CLASS_NAMES
+from common.run_dir import checkpoint_path
 from conftest import TINY_TRAIN
 
 pytestmark = pytest.mark.slow  # trains a tiny model, loads exports in fresh processes
@@ -249,6 +250,9 @@ def _run_copy(trained_run: Path, dest: Path) -> Path:
     ("incompatible shape",
      rf"does not match .*model\.json: model/dense1_kernel has shape \[{TOKENS}, 16\] in the checkpoint but \[{TOKENS}, 8\]"),
     ("other vocabulary", rf"vocabulary.json is {TOKENS} n-grams wide but .*model.json expects 128"),
+    ("missing shard", r"checkpoint ckpt-\d+ in .* is damaged \(a file of it is missing\); export another one with "
+                      r"--checkpoint ckpt-\d+ \(have: "),
+    ("truncated shard", r"is damaged \(a file of it is truncated or corrupt\); export another one with --checkpoint"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_nothing(trained_run, tmp_path, case, message):
     from export import ExportError
@@ -266,6 +270,12 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(trained_run, tmp_path, ca
         kwargs["checkpoint"] = "ckpt-999"
     elif case == "no vocabulary":
         (run / "vocabulary.json").unlink()
+    elif case in ("missing shard", "truncated shard"):
+        shard = sorted((run / "checkpoints").glob(f"{Path(checkpoint_path(run, 'best')).name}.data-*"))[-1]
+        if case == "missing shard":
+            shard.unlink()
+        else:
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     elif case in ("incompatible shape", "other vocabulary"):
         config = json.loads((run / "model.json").read_text())
         config.update(hidden=8) if case == "incompatible shape" else config.update(max_tokens=128)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -235,6 +236,31 @@ def test_cli_reports_bad_input_clearly(tmp_path: Path, args: list[str], message:
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bad_data_leaves_no_run_directory_behind(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("this is not json\n")
+    proc = subprocess.run([sys.executable, "-m", "train", "--data", str(bad), "--run-dir", str(tmp_path / "run"),
+                           "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "bad.jsonl" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_from_a_damaged_checkpoint_says_which_and_what_to_do(tmp_path: Path) -> None:
+    from conftest import TINY_TRAIN, trained_run_dir
+
+    run = Path(shutil.copytree(trained_run_dir(0), tmp_path / "run"))
+    steps = checkpoint_steps(run)
+    shard = sorted((run / CHECKPOINT_DIR).glob(f"ckpt-{steps[-1]}.data-*"))[0]
+    shard.write_bytes(shard.read_bytes()[:10])
+    config = TrainConfig(run_dir=str(run), resume=True, **{**TINY_TRAIN, "epochs": TINY_TRAIN["epochs"] + 1})
+    with pytest.raises(TrainingError) as info:
+        train(config)
+    assert str(info.value) == (
+        f"checkpoint ckpt-{steps[-1]} in {run / CHECKPOINT_DIR} is damaged (a file of it is truncated or corrupt); "
+        f"to resume from ckpt-{steps[-2]} instead, delete its files ({run / CHECKPOINT_DIR}/ckpt-{steps[-1]}.*) "
+        "and run again, or pick a new --run-dir")
 
 
 def test_sigterm_mid_epoch_keeps_a_good_checkpoint_and_resume_finishes(tmp_path: Path) -> None:
