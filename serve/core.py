@@ -227,15 +227,13 @@ class ServingCore:
         signature = model.signature_for_method(CLASSIFY_METHOD, signature_name)
         check_rows(len(rows), self.config.max_rows_per_request)
         shared = (context or {}).get(TEXT_INPUT)
-        shared_example = None
+        shared_example = None if shared is None else _classify_example(shared, f"context.{TEXT_INPUT}", self.config)
         serialized = np.empty(len(rows), dtype=object)
         total = 0
         for i, features in enumerate(rows):
             if TEXT_INPUT in features:
                 serialized[i] = _classify_example(features[TEXT_INPUT], f"examples[{i}].{TEXT_INPUT}", self.config)
-            elif shared is not None:
-                if shared_example is None:
-                    shared_example = _classify_example(shared, f"context.{TEXT_INPUT}", self.config)
+            elif shared_example is not None:
                 serialized[i] = shared_example  # the same bytes object: merging copies nothing
             else:
                 raise InvalidArgument(f"examples[{i}]: no {TEXT_INPUT!r} feature")

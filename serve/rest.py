@@ -13,7 +13,7 @@ from serve import protocol, v2, web
 from serve.asgi import App, Request, Response, Route, error_body, json_response
 from serve.config import ServeConfig
 from serve.core import ServingCore
-from serve.errors import InvalidArgument, NotFound
+from serve.errors import InvalidArgument, NotFound, ServingError
 from serve.metrics import CONTENT_TYPE_LATEST
 from serve.models import REGRESS_METHOD
 from serve.openapi import openapi_spec
@@ -119,7 +119,11 @@ class RestApi:
         return Response(self.core.metrics.render(), content_type=CONTENT_TYPE_LATEST.encode())
 
     async def openapi(self, _request: Request) -> Response:
-        return json_response(openapi_spec(list(self.core.models)))
+        try:
+            signatures = self.core.model(self.core.default_model).signatures
+        except ServingError:
+            signatures = None  # nothing loaded yet
+        return json_response(openapi_spec(list(self.core.models), self.config.max_rows_per_request, signatures))
 
 
 def _version() -> str:
@@ -141,11 +145,18 @@ def _arrived(batcher) -> None:  # noqa: ANN001
     return None
 
 
+MODEL_VERB = r"(?i)/v1/models/[^/:]+(?:/(?:versions|labels)/[^/:]+)?:[^/]*"
+"""`:predict`, `:classify`, `:regress` (POST only); other verbs are matched here and refused as malformed."""
+MODEL_RESOURCE = r"(?i)/v1/models/[^/:]+(?:/(?:versions|labels)/[^/:]+)?(?:/metadata)?"
+"""Status and metadata (GET only)."""
+
+
 def routes(api: RestApi, page: web.WebPage) -> list[Route]:
     """The routing table: every path the REST port serves (OpenAPI documents the API ones)."""
     return [
         Route.of("list_models", "GET", r"(?i)/v1/models/?", api.list_models),
-        Route.of("models", "GET POST", r"(?i)/v1/models/.+", api.models, raw=True),
+        Route.of("models", "POST", MODEL_VERB, api.models, raw=True),
+        Route.of("models", "GET", MODEL_RESOURCE, api.models, raw=True),
         Route.of("sentiment", "POST", r"(?i)/v1/sentiment", api.sentiment),
         Route.of("healthz", "GET", r"/healthz", api.healthz),
         Route.of("readyz", "GET", r"/readyz", api.readyz),

@@ -23,7 +23,7 @@ import numpy as np
 
 from common.versions import version_number
 from serve import protocol
-from serve.asgi import JSON, HttpError, Request, Response, Route, dumps, json_response
+from serve.asgi import JSON, Request, Response, Route, dumps, json_response
 from serve.core import ServingCore, check_declared_shape
 from serve.errors import InvalidArgument
 from serve.models import LoadedModel
@@ -78,10 +78,6 @@ class V2Api:
     async def model(self, request: Request) -> Response:
         verb = request.match["verb"]
         request.route_label = f"v2_{verb or 'metadata'}"
-        if verb == "infer":
-            return await self._infer(request)
-        if request.method != "GET":
-            raise _method_not_allowed(request, "GET")
         name, model = self._model(request)
         if verb == "ready":
             return json_response({"name": name, "ready": True})
@@ -94,9 +90,7 @@ class V2Api:
             "outputs": [_tensor_metadata(n, info) for n, info in signature.outputs.items()],
         })
 
-    async def _infer(self, request: Request) -> Response:
-        if request.method != "POST":
-            raise _method_not_allowed(request, "POST")
+    async def infer(self, request: Request) -> Response:
         name, model = self._model(request)
         batcher = self.core.arriving(name)
         try:
@@ -107,12 +101,14 @@ class V2Api:
             signature = model.signature(SIGNATURE)
             inputs = _decode_inputs(infer, signature, binary, self.core.config)
             wanted, binary_out = _requested_outputs(infer, signature)
+            if not isinstance(infer.get("id", ""), str):
+                raise InvalidArgument(f"'id' must be a string, got {protocol.describe(infer['id'])}")
         finally:
             if batcher is not None:
                 batcher.arrived()
         outputs = await self.core.predict(model, SIGNATURE, inputs, row_label=lambda n, i: f"input {n!r} element {i}")
         response: dict[str, Any] = {"model_name": name, "model_version": str(model.version)}
-        if isinstance(infer.get("id"), str):
+        if "id" in infer:
             response["id"] = infer["id"]
         tensors, chunks = [], []
         for output in wanted:
@@ -126,11 +122,6 @@ class V2Api:
             return Response(head, 200, JSON)
         return Response(head + b"".join(chunks), 200, b"application/octet-stream",
                         [(HEADER_LENGTH, str(len(head)).encode())])
-
-
-def _method_not_allowed(request: Request, allowed: str) -> HttpError:
-    return HttpError(405, f"Method Not Allowed: {request.scope['method']} {request.path} (allowed: {allowed})",
-                     [(b"allow", allowed.encode())])
 
 
 def _tensor_metadata(name: str, info) -> dict[str, Any]:  # noqa: ANN001 - models.TensorInfo
@@ -152,9 +143,9 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
 
 def _parameters(obj: dict, where: str) -> dict:
     """The `parameters` object of a request, an input or an output ({} when absent)."""
-    parameters = obj.get("parameters")
-    if parameters is None:
+    if "parameters" not in obj:
         return {}
+    parameters = obj["parameters"]
     if not isinstance(parameters, dict):
         raise InvalidArgument(f"{where}: 'parameters' must be an object, got {protocol.describe(parameters)}")
     return parameters
@@ -178,6 +169,8 @@ def _decode_inputs(infer: dict, signature, binary: bytes, config) -> dict[str, n
         if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
             raise InvalidArgument(f"inputs[{i}]: expected an object with 'name', 'shape', 'datatype' and 'data'")
         name = tensor["name"]
+        if name in arrays:
+            raise InvalidArgument(f"input {name!r} is given twice")
         if name not in signature.inputs:
             raise InvalidArgument(f"unexpected inference input {name!r}; the model takes {sorted(signature.inputs)}")
         expected = DATATYPES.get(signature.inputs[name].dtype)
@@ -189,8 +182,9 @@ def _decode_inputs(infer: dict, signature, binary: bytes, config) -> dict[str, n
                                                   for d in shape):
             raise InvalidArgument(f"input {name!r}: 'shape' must be a list of non-negative integers")
         count = check_declared_shape(signature, name, shape, config)
-        size = _parameters(tensor, f"input {name!r}").get("binary_data_size")
-        if size is not None:
+        parameters = _parameters(tensor, f"input {name!r}")
+        if "binary_data_size" in parameters:
+            size = parameters["binary_data_size"]
             if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
                 raise InvalidArgument(f"input {name!r}: binary_data_size {size!r} does not fit the binary data")
             values = _from_binary(binary[offset:offset + size], datatype, count, name)
@@ -207,7 +201,7 @@ def _flatten(data: Any, count: int, rank: int, name: str) -> list:
     """`data` flat (V2 accepts it flat or nested as the shape), without recursion: nesting deeper
     than the shape's rank, or more values than it holds, is refused as soon as it is seen."""
     if not isinstance(data, list):
-        return [data]
+        raise InvalidArgument(f"input {name!r}: 'data' must be a list, got {protocol.describe(data)}")
     out: list = []
     stack = [(iter(data), 1)]
     while stack:
@@ -268,9 +262,9 @@ def _from_binary(raw: bytes, datatype: str, count: int, name: str) -> np.ndarray
 
 def _requested_outputs(infer: dict, signature) -> tuple[list[str], dict[str, bool]]:  # noqa: ANN001
     default_binary = _flag(_parameters(infer, "request"), "binary_data_output", False, "request")
-    requested = infer.get("outputs")
-    if requested is None:
+    if "outputs" not in infer:
         return list(signature.outputs), {name: default_binary for name in signature.outputs}
+    requested = infer["outputs"]
     if not isinstance(requested, list):
         raise InvalidArgument("'outputs' must be a list of {\"name\": ...} objects")
     wanted, binary = [], {}
@@ -307,13 +301,15 @@ def _encode_output(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str
     return tensor, None
 
 
+_MODEL = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+
+
 def routes(api: V2Api) -> list[Route]:
     return [
         Route.of("v2_server", "GET", r"/v2/?", api.server_metadata),
         Route.of("v2_live", "GET", r"/v2/health/live", api.live),
         Route.of("v2_ready", "GET", r"/v2/health/ready", api.ready),
-        Route.of("v2_model", "GET POST",
-                 r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?:/(?P<verb>ready|infer))?",
-                 api.model, raw=True),
+        Route.of("v2_model", "GET", _MODEL + r"(?:/(?P<verb>ready))?", api.model, raw=True),
+        Route.of("v2_infer", "POST", _MODEL + r"/infer", api.infer, raw=True),
     ]
 
