@@ -11,6 +11,8 @@ from typing import Literal
 from common.cli import option
 
 VersionPolicy = Literal["latest", "all", "specific"]
+DEFAULT_MODEL_DIR = "models/sentiment"
+"""What `python -m serve` serves without flags: what `python -m export` writes without flags."""
 
 
 def parse_versions(text: str) -> tuple[int, ...]:
@@ -44,7 +46,9 @@ def _milliseconds(text: str) -> float:
 class ServeConfig:
     """What `python -m serve` does; tests build it directly."""
 
-    model_dir: str = option("", "one model: its base directory models/NAME holding integer version subdirectories")
+    model_dir: str = option(
+        "", "one model: its base directory models/NAME holding integer version subdirectories "
+        f"(default: {DEFAULT_MODEL_DIR}, where python -m export writes)")
     model_name: str = option("", "name in /v1/models/NAME (default: the base name of --model-dir)")
     model_config_file: str = option(
         "", "several models: a TF Serving ModelServerConfig text proto (model_config_list), instead of --model-dir"
@@ -122,8 +126,7 @@ class ServeConfig:
                 raise ValueError(f"{', '.join(given)}: not with --model-config-file, where each model sets its "
                                  "base_path, model_version_policy and version_labels")
         elif not self.model_dir:
-            raise ValueError("--model-dir is required (the directory models/NAME holding version subdirectories), "
-                             "or --model-config-file for several models")
+            object.__setattr__(self, "model_dir", DEFAULT_MODEL_DIR)
         if self.model_config_file_poll_wait_seconds < 0:
             raise ValueError("--model-config-file-poll-wait-seconds must not be negative")
         if self.model_dir and not self.model_name:

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import uvicorn
 
-from serve.config import ServeConfig
+from serve.config import DEFAULT_MODEL_DIR, ServeConfig
 from serve.connection import ConnectionLimits, protocol_class
 from serve.core import ServingCore
 from serve.model_config import ModelConfigError, config_sources, file_fingerprint, read_model_config
@@ -155,12 +155,14 @@ async def serve_async(
         from serve.grpc_server import GrpcServer
 
         grpc_server = await GrpcServer(config, core, reuse_port=worker is not None).start()
+    announce = asyncio.ensure_future(_announce_when_ready(config, core, port)) if not worker else None
     watcher = None
     if config.model_config_file and config.model_config_file_poll_wait_seconds > 0:
         watcher = asyncio.ensure_future(watch_model_config(config, core))
     await serving
-    if watcher is not None:
-        watcher.cancel()
+    for task in (watcher, announce):
+        if task is not None:
+            task.cancel()
     abandoned = server.abandoned
     if grpc_stopped:
         abandoned += await grpc_stopped[0]
@@ -172,6 +174,19 @@ async def serve_async(
         return EXIT_ABANDONED
     log.info("shut down cleanly: %d HTTP request(s) received, %d answered", received, answered)
     return EXIT_OK
+
+
+async def _announce_when_ready(config: ServeConfig, core: ServingCore, port: int) -> None:
+    """Once the models are ready, say where to look: the page, a curl line, the client."""
+    while not core.ready:
+        await asyncio.sleep(0.1)
+    host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
+    url = f"http://{host}:{port}"
+    name = core.default_model
+    log.info("ready: open %s/ in a browser, or try\n"
+             "  curl -s %s/v1/models/%s:predict -d '{\"instances\": [\"a wonderful film\"]}'\n"
+             "  python -m client --url %s --model %s \"a wonderful film\"\n"
+             "Ctrl-C stops the server.", url, url, name, url, name)
 
 
 def _describe(core: ServingCore) -> str:
@@ -229,6 +244,11 @@ def run_worker(
 def serve(config: ServeConfig) -> int:
     """`python -m serve`: bind the ports, then run one worker here or supervise `config.workers`."""
     configure_logging(config)
+    if config.model_dir == DEFAULT_MODEL_DIR and not config.model_config_file and not os.path.isdir(DEFAULT_MODEL_DIR):
+        print(f"serve: error: no model to serve: {DEFAULT_MODEL_DIR} does not exist. Train and export one first:\n"
+              "  python -m train && python -m export\n"
+              "or name one with --model-dir models/NAME (or several with --model-config-file)", file=sys.stderr)
+        return EXIT_STARTUP
     try:
         config_sources(config)  # a broken --model-config-file stops here, before any port is taken
         sock = bind_socket(config.host, config.port)
