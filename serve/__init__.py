@@ -17,11 +17,11 @@ __all__ = ["ServeConfig", "ServingCore", "create_app", "serve"]
 def __getattr__(name: str):
     """Heavier pieces on first use, so `python -m serve --help` stays instant."""
     if name == "ServingCore":
-        from serve.core import ServingCore
+        from serve.core.dataplane import ServingCore
 
         return ServingCore
     if name == "create_app":
-        from serve.rest import create_app
+        from serve.http.app import create_app
 
         return create_app
     if name == "serve":

@@ -4,6 +4,7 @@ from it (`common.cli`). Importing this module never imports TensorFlow."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -11,6 +12,8 @@ from typing import Literal
 from common.cli import option
 
 VersionPolicy = Literal["latest", "all", "specific"]
+EXIT_OK, EXIT_ABANDONED, EXIT_STARTUP = 0, 1, 2
+"""A worker's exit status: drained cleanly; a request was abandoned at the drain timeout; cannot start."""
 DEFAULT_MODEL_DIR = "models/sentiment"
 """What `python -m serve` serves without flags: what `python -m export` writes without flags."""
 
@@ -157,6 +160,14 @@ class ServeConfig:
 
     def replace(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)
+
+
+def configure_logging(config: ServeConfig, worker: int | None = None) -> None:
+    prefix = f"[worker {worker}] " if worker is not None else ""
+    logging.basicConfig(level=config.log_level.upper(), force=True,
+                        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s")
+    if config.log_level.upper() != "DEBUG":  # uvicorn's own start/stop chatter
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
 
 
 def _flag(name: str) -> str:

@@ -1,39 +1,21 @@
-"""Run the server: the REST app under uvicorn (uvloop + httptools) and gRPC on grpc.aio, one event
-loop and one core per process; `--workers N` runs N such processes on the same ports.
-
-Shutdown on SIGTERM or SIGINT: readiness turns false, the listening sockets close, idle keep-alive
-connections close, every request already received is answered (with `Connection: close`), then
-the process exits 0 - or 1, with a log line, if some request was still running when
-`--drain-timeout` ran out and had to be abandoned.
-"""
+"""`python -m serve`: bind the ports, then run one worker in this process or supervise
+`--workers N` worker processes (gunicorn's arbiter and workers, apart: `serve.supervisor` starts
+`serve.worker.run_worker` in each child). Importing this module imports neither TensorFlow nor
+uvicorn; the single-process path imports the worker when it starts it."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import importlib
 import logging
 import os
-import resource
-import signal
 import socket
 import sys
-from typing import Iterator
 
-import uvicorn
-
-from serve.config import DEFAULT_MODEL_DIR, ServeConfig
-from serve.connection import ConnectionLimits, protocol_class
-from serve.core import ServingCore
-from serve.model_config import ModelConfigError, config_sources, file_fingerprint, read_model_config
-from serve.rest import create_app
+from serve.config import DEFAULT_MODEL_DIR, EXIT_STARTUP, ServeConfig, configure_logging
+from serve.core.model_config_file import ModelConfigError, config_sources
 
 log = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 2048
-WORKER_READY_WAIT_S = 120.0
-"""How long one of several workers waits for its model before it takes connections anyway."""
-EXIT_OK, EXIT_ABANDONED, EXIT_STARTUP = 0, 1, 2
 
 
 class StartupError(RuntimeError):
@@ -55,192 +37,6 @@ def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
     return sock
 
 
-def raise_open_file_limit() -> None:
-    """Each connection is a file descriptor: lift the soft limit to the hard one."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
-
-
-class _UvicornServer(uvicorn.Server):
-    """uvicorn's server with this project's drain: signals are handled by `_serve`, and shutdown
-    waits for requests already received, bounded by the drain timeout, counting what it abandons."""
-
-    def __init__(self, config: uvicorn.Config, limits: ConnectionLimits, drain_timeout_s: float) -> None:
-        super().__init__(config)
-        self.limits = limits
-        self.drain_timeout_s = drain_timeout_s
-        self.abandoned = 0
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # uvicorn would re-raise the signal at exit, turning a clean drain into exit -15
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.limits.draining = True
-        for server in self.servers:
-            server.close()
-        for sock in sockets or []:
-            sock.close()
-        state = self.server_state
-        for connection in list(state.connections):
-            connection.shutdown()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.drain_timeout_s
-        while (state.connections or state.tasks) and loop.time() < deadline and not self.force_exit:
-            await asyncio.sleep(0.02)
-        self.abandoned = len(state.tasks)
-        for task in list(state.tasks):
-            task.cancel()
-        for connection in list(state.connections):
-            connection.transport.close()
-
-
-async def serve_async(
-    config: ServeConfig, sock: socket.socket, *, worker: int | None = None, stop_requested: list[int] | None = None
-) -> int:
-    """Serve on `sock` (and config.grpc_port) until SIGTERM (or SIGINT, unless this is one of
-    several workers: their supervisor turns Ctrl+C into one SIGTERM each); returns the exit code."""
-    core = ServingCore(config, config_sources(config))
-    limits = ConnectionLimits(
-        max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
-        body_timeout_s=config.body_timeout_s, keepalive_timeout_s=config.keepalive_timeout_s,
-        max_header_bytes=config.max_header_bytes, max_body_bytes=config.max_body_bytes,
-    )
-    uconfig = uvicorn.Config(
-        create_app(config, core), http=protocol_class(limits), ws="none", lifespan="off", interface="asgi3",
-        proxy_headers=False, server_header=False, access_log=False, log_config=None, log_level=None,
-        timeout_keep_alive=int(max(1, config.keepalive_timeout_s)), backlog=LISTEN_BACKLOG,
-    )
-    server = _UvicornServer(uconfig, limits, config.drain_timeout_s)
-    loop = asyncio.get_running_loop()
-    grpc_server = None
-    grpc_stopped: list[asyncio.Future] = []
-
-    def on_signal(signum: int) -> None:
-        if server.should_exit:
-            log.warning("second %s: stopping now", signal.Signals(signum).name)
-            server.force_exit = True
-            return
-        log.info("received %s: draining (up to %gs)", signal.Signals(signum).name, config.drain_timeout_s)
-        core.begin_drain()
-        server.should_exit = True
-        if grpc_server is not None:
-            grpc_stopped.append(asyncio.ensure_future(grpc_server.stop(config.drain_timeout_s)))
-
-    for sig in (signal.SIGTERM,) if worker is not None else (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-    if stop_requested:  # a signal that arrived while this process was starting
-        on_signal(stop_requested[0])
-    host, port = sock.getsockname()[:2]
-    serving = None
-    if worker is None:  # one process: answer /healthz and /readyz while the model loads
-        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
-        log.info("serving %s on http://%s:%d (REST)", _describe(core), host, port)
-    # TensorFlow is imported once, here, before the model loaders and the gRPC edge need it: two
-    # threads importing it at the same time deadlock in its module locks.
-    await asyncio.to_thread(importlib.import_module, "tensorflow")
-    if not server.should_exit:
-        await core.start()
-    if serving is None:
-        # One of several workers: join the shared ports only once the model is loaded, so a
-        # restarted worker never answers 503 while its siblings are ready.
-        deadline = loop.time() + WORKER_READY_WAIT_S
-        while not core.ready and not server.should_exit and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
-        log.info("serving %s on http://%s:%d (REST)", _describe(core), host, port)
-    if config.grpc_port and not server.should_exit:
-        from serve.grpc_server import GrpcServer
-
-        grpc_server = await GrpcServer(config, core, reuse_port=worker is not None).start()
-    announce = asyncio.ensure_future(_announce_when_ready(config, core, port)) if not worker else None
-    watcher = None
-    if config.model_config_file and config.model_config_file_poll_wait_seconds > 0:
-        watcher = asyncio.ensure_future(watch_model_config(config, core))
-    await serving
-    for task in (watcher, announce):
-        if task is not None:
-            task.cancel()
-    abandoned = server.abandoned
-    if grpc_stopped:
-        abandoned += await grpc_stopped[0]
-    await core.close()
-    received, answered = limits.received, server.server_state.total_requests
-    if abandoned:
-        log.error("drain timeout (%gs): %d request(s) abandoned; %d received, %d answered",
-                  config.drain_timeout_s, abandoned, received, answered)
-        return EXIT_ABANDONED
-    log.info("shut down cleanly: %d HTTP request(s) received, %d answered", received, answered)
-    return EXIT_OK
-
-
-async def _announce_when_ready(config: ServeConfig, core: ServingCore, port: int) -> None:
-    """Once the models are ready, say where to look: the page, a curl line, the client."""
-    while not core.ready:
-        await asyncio.sleep(0.1)
-    host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
-    url = f"http://{host}:{port}"
-    name = core.default_model
-    log.info("ready: open %s/ in a browser, or try\n"
-             "  curl -s %s/v1/models/%s:predict -d '{\"instances\": [\"a wonderful film\"]}'\n"
-             "  python -m client --url %s --model %s \"a wonderful film\"\n"
-             "Ctrl-C stops the server.", url, url, name, url, name)
-
-
-def _describe(core: ServingCore) -> str:
-    return ", ".join(f"model {name!r} from {r.source.base_path}" for name, r in core.models.items())
-
-
-async def watch_model_config(config: ServeConfig, core: ServingCore) -> None:
-    """Re-read --model-config-file when its contents change (TF Serving's
-    --model_config_file_poll_wait_seconds); a broken file is logged and the current models kept."""
-    path = config.model_config_file
-    last = await asyncio.to_thread(file_fingerprint, path)
-    while True:
-        await asyncio.sleep(config.model_config_file_poll_wait_seconds)
-        current = await asyncio.to_thread(file_fingerprint, path)
-        if current == last or current is None:
-            continue
-        last = current
-        try:
-            sources = await asyncio.to_thread(read_model_config, path)
-        except ModelConfigError as exc:
-            log.error("%s; keeping the models already served", exc)
-            continue
-        log.info("model config changed: serving %s", ", ".join(s.name for s in sources))
-        await core.apply_sources(sources)
-
-
-def configure_logging(config: ServeConfig, worker: int | None = None) -> None:
-    prefix = f"[worker {worker}] " if worker is not None else ""
-    logging.basicConfig(level=config.log_level.upper(), force=True,
-                        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s")
-    if config.log_level.upper() != "DEBUG":  # uvicorn's own start/stop chatter
-        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-
-
-def run_worker(
-    config: ServeConfig, sock: socket.socket, worker: int | None = None, stop_requested: list[int] | None = None
-) -> int:
-    """One serving process on an already bound socket (also the body of each --workers process)."""
-    import uvloop
-
-    configure_logging(config, worker)
-    raise_open_file_limit()
-    try:
-        code = uvloop.run(serve_async(config, sock, worker=worker, stop_requested=stop_requested))
-    except OSError as exc:  # the gRPC port
-        log.error("%s", exc)
-        return EXIT_STARTUP
-    if code == EXIT_ABANDONED:
-        # A model call may still be running in its thread; the interpreter would wait for it.
-        logging.shutdown()
-        os._exit(code)
-    return code
-
-
 def serve(config: ServeConfig) -> int:
     """`python -m serve`: bind the ports, then run one worker here or supervise `config.workers`."""
     configure_logging(config)
@@ -258,10 +54,13 @@ def serve(config: ServeConfig) -> int:
         print(f"serve: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     if config.workers == 1:
+        from serve.worker import run_worker
+
         return run_worker(config, sock)
-    from serve.workers import supervise
+    from serve.supervisor import supervise
 
     return supervise(config, sock)
 
 
-__all__ = ["serve", "serve_async", "run_worker", "bind_socket", "StartupError"]
+
+__all__ = ["serve", "bind_socket", "StartupError"]

@@ -401,7 +401,7 @@ def test_broken_new_version_keeps_the_old_one_serving(make_app, model_base, tmp_
     (base / "3" / "variables").mkdir(parents=True)
     (base / "3" / "saved_model.pb").write_bytes(b"not a saved model")
     (base / "3" / "variables" / "variables.index").write_bytes(b"")
-    core.registry(MODEL_NAME).refresh(settle=False)
+    core.models[MODEL_NAME].refresh(settle=False)
     status = c.get(f"/v1/models/{MODEL_NAME}").json["model_version_status"]
     assert status == [
         {"version": "3", "state": "END", "status": {

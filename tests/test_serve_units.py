@@ -12,14 +12,14 @@ import grpc
 import numpy as np
 import pytest
 
-from serve import errors
-from serve.asgi import HTTP_STATUS, dumps, error_response
-from serve.batching import Batcher
+from serve.core import errors
+from serve.http.asgi import HTTP_STATUS, dumps, error_response
+from serve.core.batcher import Batcher
 from serve.config import ServeConfig
-from serve.core import validate_inputs
-from serve.models import Signature, TensorInfo
-from serve.registry import ModelSource, select_versions
-from serve.protocol import (
+from serve.core.dataplane import validate_inputs
+from serve.core.loaded_model import Signature, TensorInfo
+from serve.core.model_versions import ModelSource, select_versions
+from serve.http.v1_codec import (
     format_classify, format_predict, parse_classify, parse_json, parse_model_path, parse_predict, parse_sentiment,
 )
 
@@ -96,7 +96,7 @@ def test_http_table_is_tf_servings():
         "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429,
         "FAILED_PRECONDITION": 400, "ABORTED": 409, "OUT_OF_RANGE": 400, "UNIMPLEMENTED": 501, "INTERNAL": 500,
         "UNAVAILABLE": 503, "DATA_LOSS": 500, "UNAUTHENTICATED": 401}
-    assert "grpc" not in sys.modules["serve.errors"].__dict__
+    assert "grpc" not in sys.modules["serve.core.errors"].__dict__
 
 
 # -- batcher -------------------------------------------------------------------------------------
@@ -207,10 +207,9 @@ def test_batcher_waits_only_for_requests_on_their_way():
     assert run_batcher(lone, max_batch_size=64, batch_timeout_s=1.0) < 0.5
 
     async def with_one_arriving(batcher):
-        batcher.arriving += 1  # an edge is still reading a request
-        first = asyncio.ensure_future(batcher.submit(model, {"x": np.array([1])}, 5))
-        await asyncio.sleep(0.1)
-        batcher.arrived()
+        with batcher.receiving():  # an edge is still reading a request
+            first = asyncio.ensure_future(batcher.submit(model, {"x": np.array([1])}, 5))
+            await asyncio.sleep(0.1)
         second = await batcher.submit(model, {"x": np.array([2])}, 5)
         return await first, second
 

@@ -177,6 +177,52 @@ def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
             proc.wait()
 
 
+def _start_client(k: int, command: Sequence[str], env: Mapping[str, str] | None, out: IO[bytes],
+                  lock: threading.Lock) -> tuple[subprocess.Popen, threading.Thread]:
+    proc = subprocess.Popen(
+        list(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=dict(env) if env is not None else None,
+        start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only; it forwards once
+    )
+    thread = threading.Thread(target=_forward, args=(proc.stdout, f"[client {k}] ".encode(), out, lock), daemon=True)
+    thread.start()
+    return proc, thread
+
+
+def _first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+    """Wait until every client exited 0 (None) or one failed: (its index, its exit code)."""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = next(((k, c) for k, c in enumerate(codes) if c not in (None, 0)), None)
+        if failed is not None or all(c == 0 for c in codes):
+            return failed
+        time.sleep(0.1)
+
+
+def _stop_after_failure(procs: list[subprocess.Popen], threads: list[threading.Thread], failed: tuple[int, int],
+                        received: list[int], grace: float) -> int:
+    """Stop the others, say why, and return the launcher's exit code."""
+    k, code = failed
+    if received:  # every client got the signal: let them checkpoint and exit within `grace`
+        _wait(procs, grace)
+    still_running = [i for i, proc in enumerate(procs) if proc.poll() is None]
+    _stop(procs, grace)
+    for thread in threads:
+        thread.join(timeout=5)
+    if received:
+        codes = ", ".join(f"client {i}: {_describe(p.returncode)}" for i, p in enumerate(procs))
+        message = f"stopped by {signal.Signals(received[0]).name} ({codes})"
+    else:
+        message = f"client {k} failed with {_describe(code)}"
+        if still_running:
+            message += f"; stopped client(s) {', '.join(map(str, still_running))}"
+    print(f"launch: {message}", file=sys.stderr, flush=True)
+    return 128 - code if code < 0 else code
+
+
 def run_clients(
     commands: Sequence[Sequence[str]],
     *,
@@ -209,44 +255,12 @@ def run_clients(
         previous = {sig: signal.signal(sig, forward_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for k, command in enumerate(commands):
-            proc = subprocess.Popen(
-                list(command),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=dict(env) if env is not None else None,
-                start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only; it forwards once
-            )
+            proc, thread = _start_client(k, command, env, out, lock)
             procs.append(proc)
-            thread = threading.Thread(
-                target=_forward, args=(proc.stdout, f"[client {k}] ".encode(), out, lock), daemon=True
-            )
-            thread.start()
             threads.append(thread)
-        failed: tuple[int, int] | None = None
-        while failed is None:
-            codes = [proc.poll() for proc in procs]
-            failed = next(((k, c) for k, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is None and all(c == 0 for c in codes):
-                break
-            time.sleep(0.1)
+        failed = _first_failure(procs)
         if failed is not None:
-            k, code = failed
-            if received:  # every client got the signal: let them checkpoint and exit within `grace`
-                _wait(procs, grace)
-            still_running = [i for i, proc in enumerate(procs) if proc.poll() is None]
-            _stop(procs, grace)
-            for thread in threads:
-                thread.join(timeout=5)
-            if received:
-                codes = ", ".join(f"client {i}: {_describe(p.returncode)}" for i, p in enumerate(procs))
-                message = f"stopped by {signal.Signals(received[0]).name} ({codes})"
-            else:
-                message = f"client {k} failed with {_describe(code)}"
-                if still_running:
-                    message += f"; stopped client(s) {', '.join(map(str, still_running))}"
-            print(f"launch: {message}", file=sys.stderr, flush=True)
-            return 128 - code if code < 0 else code
+            return _stop_after_failure(procs, threads, failed, received, grace)
         for thread in threads:
             thread.join(timeout=5)
         return 0

@@ -21,10 +21,10 @@ import numpy as np
 import orjson
 
 from common.versions import version_number
-from serve.core import CLASSIFY_FEATURES, check_rows
-from serve.errors import InvalidArgument
-from serve.models import Signature
-from serve.tensors import NUMPY_DTYPES
+from serve.core.dataplane import CLASSIFY_FEATURES, check_rows
+from serve.core.errors import InvalidArgument
+from serve.core.loaded_model import Signature
+from serve.core.dtypes import NUMPY_DTYPES
 
 # The URL grammar of TF Serving's http_rest_api_handler.cc (case-insensitive).
 _PREDICT_RE = re.compile(

@@ -1,6 +1,6 @@
 """The web page at `GET /`: type reviews, see label and confidence, model version and health.
 
-Plain HTML/CSS/JS from `serve/static/` (no build step, nothing from a CDN), read once at start.
+Plain HTML/CSS/JS from `serve/http/static/` (no build step, nothing from a CDN), read once at start.
 The page calls the server's own JSON API (`/v1/sentiment`, `/v1/models/{name}`, `/readyz`) with
 relative URLs, so it also works behind a reverse proxy that mounts the server under a prefix.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 from importlib import resources
 
-from serve.asgi import HttpError, Request, Response
+from serve.http.asgi import HttpError, Request, Response, Route
 
 # Only the server's own assets; `data:` for the empty favicon that stops a /favicon.ico request.
 CSP = b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
@@ -19,7 +19,7 @@ _TYPES = {".js": b"text/javascript; charset=utf-8", ".css": b"text/css; charset=
 
 class WebPage:
     def __init__(self, model_name: str) -> None:
-        static = resources.files("serve").joinpath("static")
+        static = resources.files("serve.http").joinpath("static")
         page = static.joinpath("index.html").read_text("utf-8")
         self._index = page.replace("{{model_name}}", html.escape(model_name, quote=True)).encode("utf-8")
         self._assets = {
@@ -40,3 +40,10 @@ class WebPage:
             raise HttpError(404, f"Not Found: no asset {name!r}")
         body, content_type = self._assets[name]
         return Response(body, 200, content_type, [(b"cache-control", b"no-cache")])
+
+
+def routes(page: WebPage) -> list[Route]:
+    return [
+        Route.of("web", "GET", r"/", page.index),
+        Route.of("web", "GET", r"/ui/(?P<asset>[^/]+)", page.asset),
+    ]

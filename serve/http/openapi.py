@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.versions import MAX_VERSION
-from serve.models import CLASSIFY_METHOD, REGRESS_METHOD, Signature
+from serve.core.loaded_model import CLASSIFY_METHOD, REGRESS_METHOD, Signature
 
 _ERROR = {"$ref": "#/components/responses/Error"}
 _VERSION = {"name": "version", "in": "path", "required": True,

@@ -19,8 +19,8 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import orjson
 
-from serve import memory
-from serve.errors import Code, ServingError
+from serve.core import memory
+from serve.core.errors import Code, ServingError
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("serve.access")

@@ -2,7 +2,7 @@
 
 Nothing here knows HTTP or gRPC. An edge decodes its request into plain values (numpy arrays,
 tf.Example protos, model names), then calls the core, which validates everything once, queues the
-model call and raises neutral `serve.errors.ServingError`s that each edge maps to its own status.
+model call and raises neutral `serve.core.errors.ServingError`s that each edge maps to its own status.
 Runs on one asyncio event loop; model versions load in background threads.
 
     core = ServingCore(config)
@@ -14,21 +14,22 @@ Runs on one asyncio event loop; model versions load in background threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from common.classes import CLASS_NAMES
-from serve.batching import Batcher
+from serve.core.batcher import Batcher
 from serve.config import ServeConfig
-from serve.errors import InvalidArgument, NotFound, Overloaded, ServingError, Unavailable
-from serve.metrics import Metrics
-from serve.models import CLASSIFY_METHOD, LoadedModel, Signature, TensorInfo
-from serve.registry import ModelRegistry, ModelSource, VersionStatus
-from serve.tensors import NUMPY_DTYPES, dtype_name, short_dtype
+from serve.core.errors import InvalidArgument, NotFound, Overloaded, ServingError, Unavailable
+from serve.core.metrics import Metrics
+from serve.core.loaded_model import CLASSIFY_METHOD, LoadedModel, Signature, TensorInfo
+from serve.core.model_versions import ModelVersions, ModelSource, VersionStatus
+from serve.core.dtypes import NUMPY_DTYPES, dtype_name, short_dtype
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class ServingCore:
         self.config = config
         self.metrics = Metrics()
         sources = list(sources) if sources is not None else [ModelSource.from_config(config)]
-        self.models: dict[str, ModelRegistry] = {}
+        self.models: dict[str, ModelVersions] = {}
         self.batchers: dict[str, Batcher] = {}
         """One batcher per model: its own bounded queue share and model thread(s)."""
         for source in sources:
@@ -88,7 +89,7 @@ class ServingCore:
         self._load = True
 
     def _add(self, source: ModelSource) -> None:
-        self.models[source.name] = ModelRegistry(source, self.config, on_change=self._on_model_change)
+        self.models[source.name] = ModelVersions(source, self.config, on_change=self._on_model_change)
         self.batchers[source.name] = Batcher(
             max_batch_size=self.config.max_batch_size,
             batch_timeout_s=self.config.batch_timeout_s,
@@ -173,7 +174,7 @@ class ServingCore:
         for batcher in self.batchers.values():
             await batcher.close(timeout=self.config.drain_timeout_s)
 
-    def _on_model_change(self, registry: ModelRegistry) -> None:
+    def _on_model_change(self, registry: ModelVersions) -> None:
         live = registry.live_versions
         self.metrics.live_versions.labels(registry.name).set(len(live))
         if live:
@@ -181,11 +182,22 @@ class ServingCore:
 
     # -- models ------------------------------------------------------------------------------
 
-    def registry(self, name: str) -> ModelRegistry:
-        registry = self.models.get(name)
-        if registry is None:
+    def live_versions(self, name: str) -> list[int]:
+        """The versions of model `name` being served now; NotFound for an unknown model."""
+        versions = self.models.get(name)
+        if versions is None:
             raise NotFound(f"Could not find any versions of model {name}")
-        return registry
+        return versions.live_versions
+
+    def model_statuses(self) -> dict[str, list[VersionStatus]]:
+        """Every model with the status of its versions ([] while nothing is on disk)."""
+        out = {}
+        for name, versions in self.models.items():
+            try:
+                out[name] = versions.status()
+            except NotFound:
+                out[name] = []
+        return out
 
     def model(self, name: str, version: int | None = None, label: str | None = None) -> LoadedModel:
         """The loaded version to answer with: `version`, the one `label` points at, or the latest."""
@@ -196,10 +208,12 @@ class ServingCore:
         return registry.get(version, label)
 
     def status(self, name: str, version: int | None = None, label: str | None = None) -> list[VersionStatus]:
-        registry = self.registry(name)
+        versions = self.models.get(name)
+        if versions is None:
+            raise NotFound(f"Could not find any versions of model {name}")
         if label is not None:
-            version = registry.label_version(label)
-        return registry.status(version)
+            version = versions.label_version(label)
+        return versions.status(version)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -270,13 +284,16 @@ class ServingCore:
             raise Unavailable(f"model {model.name} was removed from the server's config")
         return await batcher.submit(model.runner(signature_name), inputs, timeout)
 
-    def arriving(self, name: str) -> Batcher | None:
-        """Edges call this when a request for model `name` arrives (before reading its body) and
-        `batcher.arrived()` once it is decoded: the batcher waits for such requests only."""
+    @contextlib.contextmanager
+    def receiving(self, name: str) -> Iterator[None]:
+        """Edges read and decode a request for model `name` inside this block, so that the model's
+        batcher waits for it (and for such requests only) before running a batch."""
         batcher = self.batchers.get(name)
-        if batcher is not None:
-            batcher.arriving += 1
-        return batcher
+        if batcher is None:
+            yield
+            return
+        with batcher.receiving():
+            yield
 
 
 # -- validation, once for every edge -------------------------------------------------------------

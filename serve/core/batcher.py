@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from serve.errors import DeadlineExceeded, Internal, InvalidArgument, ServingError, Unavailable
+from serve.core.errors import DeadlineExceeded, Internal, InvalidArgument, ServingError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,8 @@ class Batcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self.arriving = 0
-        """Requests received by an edge that will submit soon; a batch waits (up to
-        `batch_timeout_s`) for them only. Edges increment it on arrival and call `arrived()`."""
+        """Requests received by an edge that will submit soon (see `receiving`); a batch waits (up
+        to `batch_timeout_s`) for them only."""
 
     @property
     def queued_rows(self) -> int:
@@ -90,8 +91,16 @@ class Batcher:
         self._workers = [self._loop.create_task(self._work(), name=f"batcher-{i}") for i in range(self._num_threads)]
         return self
 
-    def arrived(self) -> None:
-        self.arriving -= 1
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[None]:
+        """Wrap the reading and decoding of a request that will submit here: meanwhile a batch
+        about to run waits for it (up to `batch_timeout_s`), and stops waiting as soon as it is
+        decoded, submitted or failed."""
+        self.arriving += 1
+        try:
+            yield
+        finally:
+            self.arriving -= 1
 
     async def submit(self, runner: Runner, inputs: Arrays, timeout_s: float) -> dict[str, np.ndarray]:
         """Run `runner` on `inputs` as part of a batch; the result, or DeadlineExceeded after `timeout_s`."""

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from common.versions import version_number
-from serve import protocol
-from serve.asgi import JSON, Request, Response, Route, dumps, json_response
-from serve.core import ServingCore, check_declared_shape
-from serve.errors import InvalidArgument
-from serve.models import LoadedModel
+from serve.http import v1_codec as protocol
+from serve.http.asgi import JSON, Request, Response, Route, dumps, json_response
+from serve.core.dataplane import ServingCore, check_declared_shape
+from serve.core.errors import InvalidArgument
+from serve.core.loaded_model import LoadedModel
 
 SERVER_NAME = "sentiment-dtensor"
 SIGNATURE = "serving_default"
@@ -84,7 +84,7 @@ class V2Api:
         signature = model.signature(SIGNATURE)
         return json_response({
             "name": name,
-            "versions": [str(v) for v in self.core.registry(name).live_versions],
+            "versions": [str(v) for v in self.core.live_versions(name)],
             "platform": "tensorflow_savedmodel",
             "inputs": [_tensor_metadata(n, info) for n, info in signature.inputs.items()],
             "outputs": [_tensor_metadata(n, info) for n, info in signature.outputs.items()],
@@ -92,8 +92,7 @@ class V2Api:
 
     async def infer(self, request: Request) -> Response:
         name, model = self._model(request)
-        batcher = self.core.arriving(name)
-        try:
+        with self.core.receiving(name):
             body = await request.body()
             header_length = request.header(HEADER_LENGTH)
             head, binary = _split_body(body, header_length)
@@ -103,9 +102,6 @@ class V2Api:
             wanted, binary_out = _requested_outputs(infer, signature)
             if not isinstance(infer.get("id", ""), str):
                 raise InvalidArgument(f"'id' must be a string, got {protocol.describe(infer['id'])}")
-        finally:
-            if batcher is not None:
-                batcher.arrived()
         outputs = await self.core.predict(model, SIGNATURE, inputs, row_label=lambda n, i: f"input {n!r} element {i}")
         response: dict[str, Any] = {"model_name": name, "model_version": str(model.version)}
         if "id" in infer:

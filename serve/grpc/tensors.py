@@ -1,4 +1,4 @@
-"""Tensors at the protocol edges: TF dtype names <-> numpy, TensorProto <-> numpy.
+"""Tensors at the gRPC edge: TensorProto <-> numpy.
 
 `from_tensor_proto` is the gRPC edge's decoder. Unlike `tf.make_ndarray` it never expands a
 tensor: the shape a client declares must agree with the values it sends, so a 42-byte request
@@ -12,14 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from serve.errors import InvalidArgument
-
-NUMPY_DTYPES: dict[str, Any] = {
-    "DT_FLOAT": np.float32, "DT_DOUBLE": np.float64, "DT_INT32": np.int32, "DT_INT64": np.int64,
-    "DT_INT16": np.int16, "DT_INT8": np.int8, "DT_UINT8": np.uint8, "DT_UINT16": np.uint16,
-    "DT_UINT32": np.uint32, "DT_UINT64": np.uint64, "DT_BOOL": np.bool_, "DT_HALF": np.float16,
-}
-"""TF dtype enum names -> numpy dtypes (DT_STRING is an object array of bytes)."""
+from serve.core.dtypes import NUMPY_DTYPES, dtype_name
+from serve.core.errors import InvalidArgument
 
 _VALUE_FIELDS = {
     "DT_FLOAT": "float_val", "DT_DOUBLE": "double_val", "DT_INT32": "int_val", "DT_INT16": "int_val",
@@ -28,21 +22,6 @@ _VALUE_FIELDS = {
 }
 
 _MAX_DIMS = 32
-
-
-def dtype_name(array: np.ndarray) -> str:
-    """The TF dtype name of a numpy array (`DT_STRING` for object/bytes arrays)."""
-    if array.dtype == object or array.dtype.kind == "S":
-        return "DT_STRING"
-    for name, dtype in NUMPY_DTYPES.items():
-        if array.dtype == dtype:
-            return name
-    return f"numpy {array.dtype}"
-
-
-def short_dtype(name: str) -> str:
-    """`DT_STRING` -> `string`, as TF Serving words its dtype errors."""
-    return name.removeprefix("DT_").lower()
 
 
 def from_tensor_proto(proto: Any, where: str, max_values: int) -> np.ndarray:

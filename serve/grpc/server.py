@@ -7,7 +7,7 @@ values, the core validates, and neutral errors become the `grpc.StatusCode` of t
 
 Requests arrive as raw bytes and are parsed here, so an undecodable message is an
 INVALID_ARGUMENT with a one-line log instead of grpc's traceback; tensors are decoded without
-ever expanding a declared shape (`serve.tensors.from_tensor_proto`); methods this server does
+ever expanding a declared shape (`serve.grpc.tensors.from_tensor_proto`); methods this server does
 not implement (and unknown ones) answer UNIMPLEMENTED with a one-line log.
 
     server = await GrpcServer(config, core).start()   # listens on config.grpc_port
@@ -33,12 +33,12 @@ from tensorflow_serving.apis import (
     regression_pb2,
 )
 
-from serve import memory
+from serve.core import memory
 from serve.config import ServeConfig
-from serve.core import CLASSIFY_FEATURES, VALUES_PER_ROW, ServingCore, check_declared_shape, check_rows
-from serve.errors import InvalidArgument, ServingError
-from serve.models import REGRESS_METHOD, LoadedModel
-from serve.tensors import from_tensor_proto, to_tensor_proto
+from serve.core.dataplane import CLASSIFY_FEATURES, VALUES_PER_ROW, ServingCore, check_declared_shape, check_rows
+from serve.core.errors import InvalidArgument, ServingError
+from serve.core.loaded_model import REGRESS_METHOD, LoadedModel
+from serve.grpc.tensors import from_tensor_proto, to_tensor_proto
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import hashlib
 from pathlib import Path
 
 from serve.config import ServeConfig
-from serve.registry import ModelSource
+from serve.core.model_versions import ModelSource
 
 
 class ModelConfigError(ValueError):

@@ -1,22 +1,19 @@
-"""The REST edge: TF Serving's REST API, the Open Inference Protocol (serve/v2.py), the friendly
-API, health, metrics, OpenAPI and the web page, as one routing table (`create_app`).
+"""TF Serving's REST API (the V1 protocol), the friendly API, health, metrics and OpenAPI.
 
-Handlers decode HTTP into plain values (`serve.protocol`), call the shared `ServingCore`, and
-encode its answer; the core validates and raises neutral errors that `serve.asgi` maps to HTTP.
+Handlers decode HTTP into plain values (`serve.http.v1_codec`), call the shared `ServingCore`, and
+encode its answer; the core validates and raises neutral errors that `serve.http.asgi` maps to HTTP.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-
-from serve import protocol, v2, web
-from serve.asgi import App, Request, Response, Route, error_body, json_response
+from serve.http import v1_codec as protocol
+from serve.http.asgi import Request, Response, Route, error_body, json_response
 from serve.config import ServeConfig
-from serve.core import ServingCore
-from serve.errors import InvalidArgument, NotFound, ServingError
-from serve.metrics import CONTENT_TYPE_LATEST
-from serve.models import REGRESS_METHOD
-from serve.openapi import openapi_spec
+from serve.core.dataplane import ServingCore
+from serve.core.errors import InvalidArgument, ServingError
+from serve.core.metrics import CONTENT_TYPE_LATEST
+from serve.core.loaded_model import REGRESS_METHOD
+from serve.http.openapi import openapi_spec
 
 
 class RestApi:
@@ -34,29 +31,24 @@ class RestApi:
         if request.method == "GET":
             return self._metadata(path) if path.verb == "metadata" else self._status(path)
         core = self.core
-        batcher = core.arriving(path.name)
-        try:
+        max_rows = self.config.max_rows_per_request
+        with core.receiving(path.name):
             model = core.model(path.name, path.version, path.label)
-            max_rows = self.config.max_rows_per_request
             body = protocol.parse_json(await request.body(), max_rows)
             if path.verb == "predict":
                 signature_name = protocol.signature_name(body)
                 inputs, row_format = protocol.parse_predict(body, model.signature(signature_name), max_rows)
-                batcher = _arrived(batcher)
-                outputs = await core.predict(
-                    model, signature_name, inputs,
-                    row_label=protocol.instances_label if row_format else protocol.inputs_label,
-                )
-                return json_response(protocol.format_predict(outputs, row_format))
-            if path.verb == "classify":
+            elif path.verb == "classify":
                 signature_name, examples, context = protocol.parse_classify(body, max_rows)
-                batcher = _arrived(batcher)
-                _, outputs = await core.classify(model, signature_name, examples, context)
-                return json_response(protocol.format_classify(outputs["classes"], outputs["scores"]))
-            model.signature_for_method(REGRESS_METHOD, protocol.signature_name(body, default=""))
-            raise InvalidArgument("regression is not supported by this server")
-        finally:
-            _arrived(batcher)  # failed before reaching the batcher: no longer on its way
+            else:
+                model.signature_for_method(REGRESS_METHOD, protocol.signature_name(body, default=""))
+                raise InvalidArgument("regression is not supported by this server")
+        if path.verb == "predict":
+            row_label = protocol.instances_label if row_format else protocol.inputs_label
+            outputs = await core.predict(model, signature_name, inputs, row_label=row_label)
+            return json_response(protocol.format_predict(outputs, row_format))
+        _, outputs = await core.classify(model, signature_name, examples, context)
+        return json_response(protocol.format_classify(outputs["classes"], outputs["scores"]))
 
     def _status(self, path: protocol.ModelPath) -> Response:
         statuses = self.core.status(path.name, path.version, path.label)
@@ -64,14 +56,8 @@ class RestApi:
 
     async def list_models(self, _request: Request) -> Response:
         """Every model with its versions' status (what TF Serving users asked for in serving#795)."""
-        models = []
-        for name, registry in self.core.models.items():
-            try:
-                statuses = registry.status()
-            except NotFound:
-                statuses = []  # nothing on disk yet
-            models.append({"name": name, "model_version_status": [_status_json(s) for s in statuses]})
-        return json_response({"models": models})
+        return json_response({"models": [{"name": name, "model_version_status": [_status_json(s) for s in statuses]}
+                                          for name, statuses in self.core.model_statuses().items()]})
 
     def _metadata(self, path: protocol.ModelPath) -> Response:
         model = self.core.model(path.name, path.version, path.label)
@@ -83,12 +69,9 @@ class RestApi:
     # -- friendly API ------------------------------------------------------------------------
 
     async def sentiment(self, request: Request) -> Response:
-        batcher = self.core.arriving(self.core.default_model)
-        try:
-            max_rows = self.config.max_rows_per_request
+        max_rows = self.config.max_rows_per_request
+        with self.core.receiving(self.core.default_model):
             texts = protocol.parse_sentiment(protocol.parse_json(await request.body(), max_rows), max_rows)
-        finally:
-            _arrived(batcher)
         version, results = await self.core.sentiment(texts)
         return json_response(
             [{"label": r.label, "score": r.score, "probabilities": r.probabilities} for r in results],
@@ -126,23 +109,9 @@ class RestApi:
         return json_response(openapi_spec(list(self.core.models), self.config.max_rows_per_request, signatures))
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("sentiment-dtensor")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def _status_json(status) -> dict:  # noqa: ANN001 - a registry.VersionStatus
     return {"version": str(status.version), "state": status.state,
             "status": {"error_code": status.error_code, "error_message": status.error_message}}
-
-
-def _arrived(batcher) -> None:  # noqa: ANN001
-    """The request was decoded (or failed): it is no longer on its way to `batcher`."""
-    if batcher is not None:
-        batcher.arrived()
-    return None
 
 
 MODEL_VERB = r"(?i)/v1/models/[^/:]+(?:/(?:versions|labels)/[^/:]+)?:[^/]*"
@@ -151,8 +120,8 @@ MODEL_RESOURCE = r"(?i)/v1/models/[^/:]+(?:/(?:versions|labels)/[^/:]+)?(?:/meta
 """Status and metadata (GET only)."""
 
 
-def routes(api: RestApi, page: web.WebPage) -> list[Route]:
-    """The routing table: every path the REST port serves (OpenAPI documents the API ones)."""
+def routes(api: RestApi) -> list[Route]:
+    """TF Serving's REST API, the friendly API, health, metrics and OpenAPI."""
     return [
         Route.of("list_models", "GET", r"(?i)/v1/models/?", api.list_models),
         Route.of("models", "POST", MODEL_VERB, api.models, raw=True),
@@ -162,18 +131,4 @@ def routes(api: RestApi, page: web.WebPage) -> list[Route]:
         Route.of("readyz", "GET", r"/readyz", api.readyz),
         Route.of("metrics", "GET", r"/monitoring/prometheus/metrics", api.metrics),
         Route.of("openapi", "GET", r"/openapi.json", api.openapi),
-        Route.of("web", "GET", r"/", page.index),
-        Route.of("web", "GET", r"/ui/(?P<asset>[^/]+)", page.asset),
     ]
-
-
-def create_app(config: ServeConfig, core: ServingCore) -> App:
-    """The REST port's ASGI app on a shared core (started by the caller, on the serving loop)."""
-    api = RestApi(config, core)
-    return App(
-        routes(api, web.WebPage(core.default_model)) + v2.routes(v2.V2Api(core, _version())),
-        metrics=core.metrics,
-        max_body_bytes=config.max_body_bytes,
-        cors_origins=config.cors_origins,
-        access_log_enabled=config.access_log,
-    )

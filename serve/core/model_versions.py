@@ -28,8 +28,8 @@ from typing import Callable
 
 from common.versions import MAX_VERSION, version_number
 from serve.config import ServeConfig, VersionPolicy
-from serve.errors import NotFound, Unavailable
-from serve.models import LoadedModel, LoadError
+from serve.core.errors import NotFound, Unavailable
+from serve.core.loaded_model import LoadedModel, LoadError
 
 log = logging.getLogger(__name__)
 
@@ -155,14 +155,14 @@ def describe_load_error(exc: BaseException) -> tuple[str, str]:
     return "UNKNOWN", f"the SavedModel could not be loaded ({type(exc).__name__})"
 
 
-class ModelRegistry:
+class ModelVersions:
     """Live versions of one model. `refresh()` is the only writer; readers never lock."""
 
     def __init__(
         self,
         source: ModelSource,
         config: ServeConfig,
-        on_change: Callable[["ModelRegistry"], None] | None = None,
+        on_change: Callable[["ModelVersions"], None] | None = None,
     ) -> None:
         self.source = source
         self.name = source.name

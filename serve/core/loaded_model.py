@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from serve.errors import InvalidArgument, NotFound
+from serve.core.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: i
     signal.signal(signal.SIGTERM, lambda signum, _frame: early.append(signum))  # until the server takes over
     _exit_with_parent(parent)
 
-    from serve.server import run_worker
+    from serve.worker import run_worker
 
     sys.exit(run_worker(config, sock, index, stop_requested=early))
 

@@ -1,0 +1,1 @@
+"""The serving core: models and their versions, validation, the batcher, metrics. No HTTP or gRPC here."""
