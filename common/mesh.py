@@ -101,8 +101,9 @@ def create_mesh(
 ) -> dtensor.Mesh:
     """A run's mesh: this process's devices, or one mesh over every client's (num_clients > 1).
 
-    Multi-client (DESIGN.md): the DTENSOR_* variables are set, DTensor's runtime is started with
-    `devices / num_clients` devices in this process, and `create_distributed_mesh` numbers devices
+    Multi-client (DTensor's own runtime, started as TensorFlow's multi_client_test_util does): the
+    DTENSOR_* variables are set, DTensor's runtime is started with `devices / num_clients` devices
+    in this process, and `create_distributed_mesh` numbers devices
     client by client. Each client feeds its own share of every batch, so every batch replica must
     live on one client (`check_client_mesh`).
     """

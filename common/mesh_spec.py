@@ -8,12 +8,11 @@ mesh (which needs TensorFlow) is `common.mesh.create_mesh`.
 from __future__ import annotations
 
 import re
-from typing import Literal, Sequence
+from typing import Sequence
 
 BATCH, FEATURE, MODEL = "batch", "feature", "model"
 """Mesh dimension names the model knows how to shard over; other names are replicated."""
 
-Strategy = Literal["feature", "data", "model", "spatial"]
 STRATEGIES: tuple[str, ...] = ("feature", "data", "model", "spatial")
 
 MeshDims = list[tuple[str, int]]

@@ -45,19 +45,14 @@ from common.run_dir import (
     read_best,
     read_test,
 )
+from common.tf_serving import ASSETS_EXTRA, CLASSIFY_METHOD, CLASSIFY_SIGNATURE, DEFAULT_SIGNATURE, WARMUP_FILE
 from common.vectorizer import VOCABULARY_FILE, TfIdf, load_vectorizer
 from common.versions import version_number
 from export.config import ExportConfig
 
 log = logging.getLogger(__name__)
 
-SERVING_SIGNATURE = "serving_default"
-CLASSIFY_SIGNATURE = "classify"
-PREDICT_METHOD = "tensorflow/serving/predict"
-CLASSIFY_METHOD = "tensorflow/serving/classify"
-WARMUP_FILE = "tf_serving_warmup_requests"
 EXPORT_INFO_FILE = "export_info.json"
-ASSETS_EXTRA = "assets.extra"
 TOLERANCE = 1e-5
 """Largest difference allowed between the saved model and the model it was built from."""
 
@@ -238,7 +233,7 @@ def _write_warmup(path: Path, model_name: str, samples: Sequence[str]) -> None:
     with tf.io.TFRecordWriter(str(path)) as writer:
         for texts in (list(samples), list(samples[:1])):  # the whole batch, and a single review
             request = predict_pb2.PredictRequest(
-                model_spec=model_pb2.ModelSpec(name=model_name, signature_name=SERVING_SIGNATURE)
+                model_spec=model_pb2.ModelSpec(name=model_name, signature_name=DEFAULT_SIGNATURE)
             )
             request.inputs["text"].CopyFrom(tf.make_tensor_proto(texts, dtype=tf.string))
             record = prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request))
@@ -250,9 +245,9 @@ def _verify(saved_model_dir: Path, module: SentimentModel, samples: Sequence[str
     loaded = tf.saved_model.load(str(saved_model_dir))
     texts = tf.constant(list(samples))
     expected = module.serve(texts)["probabilities"].numpy()
-    out = loaded.signatures[SERVING_SIGNATURE](text=texts)
+    out = loaded.signatures[DEFAULT_SIGNATURE](text=texts)
     probabilities = out["probabilities"].numpy()
-    single = loaded.signatures[SERVING_SIGNATURE](text=texts[:1])["probabilities"].numpy()
+    single = loaded.signatures[DEFAULT_SIGNATURE](text=texts[:1])["probabilities"].numpy()
     examples = [
         tf.train.Example(
             features=tf.train.Features(feature={"text": tf.train.Feature(bytes_list=tf.train.BytesList(value=[t.encode()]))})
@@ -298,14 +293,13 @@ def export_model(config: ExportConfig) -> ExportResult:
             module,
             str(tmp),
             signatures={
-                SERVING_SIGNATURE: module.serve.get_concrete_function(),
+                DEFAULT_SIGNATURE: module.serve.get_concrete_function(),
                 CLASSIFY_SIGNATURE: module.classify.get_concrete_function(),
             },
         )
         _mark_classify(tmp)
-        extra = tmp / ASSETS_EXTRA
-        extra.mkdir()
-        _write_warmup(extra / WARMUP_FILE, model_dir.resolve().name, config.samples)
+        (tmp / ASSETS_EXTRA).mkdir()
+        _write_warmup(tmp / WARMUP_FILE, model_dir.resolve().name, config.samples)
         info = {
             "checkpoint": str(Path(prefix).resolve()),
             "step": step,
@@ -317,7 +311,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             "class_names": list(CLASS_NAMES),
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        (extra / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / ASSETS_EXTRA / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         samples = _verify(tmp, module, config.samples)
         if final.exists():  # another exporter won the race; rename would replace an empty directory
             raise ExportError(f"{final} appeared while exporting: versions are never overwritten")

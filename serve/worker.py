@@ -22,10 +22,10 @@ from typing import Iterator
 import uvicorn
 
 from serve.config import EXIT_ABANDONED, EXIT_OK, EXIT_STARTUP, ServeConfig, configure_logging
-from serve.http.connection import ConnectionLimits, protocol_class
 from serve.core.dataplane import ServingCore
 from serve.core.model_config_file import ModelConfigError, config_sources, file_fingerprint, read_model_config
 from serve.http.app import create_app
+from serve.http.connection import ConnectionLimits, protocol_class
 
 log = logging.getLogger(__name__)
 

@@ -82,7 +82,7 @@ def test_model_status(client, path, expected):
     ("/v1/models/nope", 404, "Could not find any versions of model nope"),
     (f"/v1/models/{MODEL_NAME}/labels/beta", 404, "Unrecognized servable version label: beta"),
     (f"/v1/models/{MODEL_NAME}/versions/x", 400, f"Malformed request: GET /v1/models/{MODEL_NAME}/versions/x"),
-    (f"/v1/models/nope/metadata", 404, "Servable not found for request: Latest(nope)"),
+    ("/v1/models/nope/metadata", 404, "Servable not found for request: Latest(nope)"),
     (f"/v1/models/{MODEL_NAME}/versions/7/metadata", 404, f"Servable not found for request: Specific({MODEL_NAME}, 7)"),
     (f"/v1/models/{MODEL_NAME}:predict", 405, f"Method Not Allowed: GET /v1/models/{MODEL_NAME}:predict (allowed: POST)"),
     ("/v2/nothing", 404, None),

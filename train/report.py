@@ -61,12 +61,17 @@ class Report:
         self._writer.flush()
 
     def bar(self, total: int, initial: int, description: str, unit: str = "step"):  # noqa: ANN201
-        if not self.show_progress:
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=total, initial=initial, desc=description, unit=unit, dynamic_ncols=True, leave=False)
+        return progress_bar(self.show_progress, total, description, unit, initial)
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def progress_bar(show: bool, total: int, description: str, unit: str = "step", initial: int = 0):  # noqa: ANN201
+    """A tqdm bar on the terminal, or None (not shown: no progress, or not the chief client)."""
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=description, unit=unit, dynamic_ncols=True, leave=False)

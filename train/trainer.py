@@ -58,7 +58,7 @@ from train.checkpoints import CheckpointStore
 from train.config import TrainConfig
 from train.data import Split
 from train.pipeline import Batches, chunks, epoch_order, load_splits
-from train.report import Report
+from train.report import Report, progress_bar
 from train.state import TrainState, to_host
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def _prepare_vocabulary(config: TrainConfig, run_dir: Path, train: Split, resumi
             )
         return vectorizer, saved
     multiple = math.lcm(8, meshlib.dim_size(mesh, FEATURE))
-    bar = _bar(config, len(train.texts), "vocabulary", "review")
+    bar = progress_bar(config.progress and config.client_id == 0, len(train.texts), "vocabulary", "review")
     vectorizer = build_vocabulary(train.texts, config.max_tokens, settings, multiple=multiple,
                                   progress=bar.update if bar is not None else None)
     if bar is not None:
@@ -188,14 +188,6 @@ def _prepare_vocabulary(config: TrainConfig, run_dir: Path, train: Split, resumi
         model_config.save(run_dir / MODEL_FILE)
         atomic_write_json(run_dir / CONFIG_FILE, dataclasses.asdict(config))
     return vectorizer, model_config
-
-
-def _bar(config: TrainConfig, total: int, description: str, unit: str):  # noqa: ANN202
-    if not (config.progress and config.client_id == 0):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=description, unit=unit, dynamic_ncols=True, leave=False)
 
 
 # -- epochs --------------------------------------------------------------------------------------

@@ -23,13 +23,14 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from common.classes import CLASS_NAMES
-from serve.core.batcher import Batcher
+from common.tf_serving import CLASSIFY_METHOD
 from serve.config import ServeConfig
-from serve.core.errors import InvalidArgument, NotFound, Overloaded, ServingError, Unavailable
-from serve.core.metrics import Metrics
-from serve.core.loaded_model import CLASSIFY_METHOD, LoadedModel, Signature, TensorInfo
-from serve.core.model_versions import ModelVersions, ModelSource, VersionStatus
+from serve.core.batcher import Batcher
 from serve.core.dtypes import NUMPY_DTYPES, dtype_name, short_dtype
+from serve.core.errors import InvalidArgument, NotFound, Overloaded, ServingError, Unavailable
+from serve.core.loaded_model import LoadedModel, Signature, TensorInfo
+from serve.core.metrics import Metrics
+from serve.core.model_versions import ModelSource, ModelVersions, VersionStatus
 
 log = logging.getLogger(__name__)
 

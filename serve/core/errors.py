@@ -77,18 +77,6 @@ class DeadlineExceeded(ServingError, TimeoutError):
     code = Code.DEADLINE_EXCEEDED
 
 
-class Unimplemented(ServingError):
-    """A method this server does not offer."""
-
-    code = Code.UNIMPLEMENTED
-
-
-class FailedPrecondition(ServingError):
-    """The request is valid but the model cannot answer it (e.g. it has no such signature kind)."""
-
-    code = Code.FAILED_PRECONDITION
-
-
 class Internal(ServingError):
     """Unexpected failure inside the model call."""
 
@@ -103,7 +91,5 @@ __all__ = [
     "Overloaded",
     "Unavailable",
     "DeadlineExceeded",
-    "Unimplemented",
-    "FailedPrecondition",
     "Internal",
 ]

@@ -7,21 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
 
+from common.tf_serving import CLASSIFY_METHOD, WARMUP_FILE
 from serve.core.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 
-WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
-PREDICT_METHOD = "tensorflow/serving/predict"
-CLASSIFY_METHOD = "tensorflow/serving/classify"
-REGRESS_METHOD = "tensorflow/serving/regress"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,11 +33,12 @@ from tensorflow_serving.apis import (
     regression_pb2,
 )
 
-from serve.core import memory
+from common.tf_serving import REGRESS_METHOD
 from serve.config import ServeConfig
+from serve.core import memory
 from serve.core.dataplane import CLASSIFY_FEATURES, VALUES_PER_ROW, ServingCore, check_declared_shape, check_rows
 from serve.core.errors import InvalidArgument, ServingError
-from serve.core.loaded_model import REGRESS_METHOD, LoadedModel
+from serve.core.loaded_model import LoadedModel
 from serve.grpc.tensors import from_tensor_proto, to_tensor_proto
 
 log = logging.getLogger(__name__)

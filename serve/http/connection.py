@@ -24,9 +24,9 @@ import socket
 from dataclasses import dataclass, field
 
 import httptools
-from serve.http.uvicorn_internals import STATUS_LINE, HttpToolsProtocol
 
 from serve.http.asgi import RETRY_AFTER_S, error_body
+from serve.http.uvicorn_internals import STATUS_LINE, HttpToolsProtocol
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.tf_serving import CLASSIFY_METHOD, REGRESS_METHOD
 from common.versions import MAX_VERSION
-from serve.core.loaded_model import CLASSIFY_METHOD, REGRESS_METHOD, Signature
+from serve.core.loaded_model import Signature
 
 _ERROR = {"$ref": "#/components/responses/Error"}
 _VERSION = {"name": "version", "in": "path", "required": True,

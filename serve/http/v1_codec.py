@@ -22,9 +22,9 @@ import orjson
 
 from common.versions import version_number
 from serve.core.dataplane import CLASSIFY_FEATURES, check_rows
+from serve.core.dtypes import NUMPY_DTYPES
 from serve.core.errors import InvalidArgument
 from serve.core.loaded_model import Signature
-from serve.core.dtypes import NUMPY_DTYPES
 
 # The URL grammar of TF Serving's http_rest_api_handler.cc (case-insensitive).
 _PREDICT_RE = re.compile(

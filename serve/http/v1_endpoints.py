@@ -6,13 +6,13 @@ encode its answer; the core validates and raises neutral errors that `serve.http
 
 from __future__ import annotations
 
-from serve.http import v1_codec as protocol
-from serve.http.asgi import Request, Response, Route, error_body, json_response
+from common.tf_serving import REGRESS_METHOD
 from serve.config import ServeConfig
 from serve.core.dataplane import ServingCore
 from serve.core.errors import InvalidArgument, ServingError
 from serve.core.metrics import CONTENT_TYPE_LATEST
-from serve.core.loaded_model import REGRESS_METHOD
+from serve.http import v1_codec as protocol
+from serve.http.asgi import Request, Response, Route, error_body, json_response
 from serve.http.openapi import openapi_spec
 
 

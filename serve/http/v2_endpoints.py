@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from common.versions import version_number
-from serve.http import v1_codec as protocol
-from serve.http.asgi import JSON, Request, Response, Route, dumps, json_response
 from serve.core.dataplane import ServingCore, check_declared_shape
 from serve.core.errors import InvalidArgument
 from serve.core.loaded_model import LoadedModel
+from serve.http import v1_codec as protocol
+from serve.http.asgi import JSON, Request, Response, Route, dumps, json_response
 
 SERVER_NAME = "sentiment-dtensor"
 SIGNATURE = "serving_default"
