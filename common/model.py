@@ -14,10 +14,11 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from common.checkpoint import checkpoint_path, restore_checkpoint
 from common.classes import CLASS_NAMES
 from common.mesh import ModelLayouts
 from common.model_config import NUM_CLASSES, ModelConfig
-from common.run_dir import MODEL_FILE, RunDirError, checkpoint_path
+from common.run_dir import MODEL_FILE
 
 __all__ = ["CLASS_NAMES", "NUM_CLASSES", "ModelConfig", "DTensorMLP", "mlp_forward", "initial_values", "restore_model"]
 
@@ -171,44 +172,11 @@ class DTensorMLP(tf.Module):
         return out
 
 
-class DamagedCheckpoint(RunDirError):
-    """A checkpoint whose index or data shards are missing, truncated or corrupt."""
-
-
-def verify_checkpoint(prefix: str) -> dict[str, list[int]]:
-    """Read every tensor of a checkpoint on the host (checksums included) and return the shapes by
-    variable key; DamagedCheckpoint saying which checkpoint is damaged otherwise.
-
-    A DTensor restore that fails part-way leaves the eager executor poisoned for the rest of the
-    process, so a damaged checkpoint must be found before restoring, not by catching the restore."""
-    name = Path(prefix).name
-    try:
-        reader = tf.train.load_checkpoint(prefix)
-        shapes = reader.get_variable_to_shape_map()
-        for key in shapes:
-            reader.get_tensor(key)
-    except Exception as exc:  # noqa: BLE001 - the reader raises OpError, IndexError ("Read less bytes"), ...
-        cause = _short_cause(exc)
-        raise DamagedCheckpoint(f"checkpoint {name} in {Path(prefix).parent} is damaged ({cause})") from None
-    return shapes
-
-
-def _short_cause(exc: Exception) -> str:
-    text = getattr(exc, "message", None) or str(exc)
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    if "not found" in first.lower() or "no such file" in first.lower():
-        return "a file of it is missing"
-    if isinstance(exc, (tf.errors.DataLossError, IndexError)) or any(
-            word in first.lower() for word in ("truncated", "corrupt", "checksum", "less bytes")):
-        return "a file of it is truncated or corrupt"
-    return first[:200]
-
-
 def restore_model(run_dir: Path, mesh: dtensor.Mesh, checkpoint: str | None = "best") -> DTensorMLP:
     """Rebuild the model from a run directory and restore a checkpoint onto `mesh`: the best one,
     `latest`, or one by name (`ckpt-40`). Checkpoints restore exactly on any mesh."""
     run_dir = Path(run_dir)
     path = checkpoint_path(run_dir, checkpoint)
     model = DTensorMLP(ModelConfig.load(run_dir / MODEL_FILE), mesh)
-    tf.train.Checkpoint(model=model).restore(path).expect_partial()
+    restore_checkpoint(tf.train.Checkpoint(model=model), path, partial=True)
     return model

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from common.classes import CLASS_NAMES
+from common.run_dir import atomic_write_json
 
 NUM_CLASSES = len(CLASS_NAMES)
 
@@ -33,7 +34,7 @@ class ModelConfig:
             raise ValueError(f"bn_momentum must be in [0, 1), got {self.bn_momentum}")
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        atomic_write_json(path, asdict(self))
 
     @classmethod
     def load(cls, path: Path) -> "ModelConfig":

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,8 +32,6 @@ CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
 TMP_PREFIX = ".tmp-"
 """Exports write `MODEL_DIR/.tmp-<version>-<pid>` and rename it when complete."""
-
-_CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)$")
 
 
 class RunDirError(RuntimeError):
@@ -53,34 +50,6 @@ def atomic_write_json(path: Path, value: Any) -> None:
     atomic_write_text(path, json.dumps(value, indent=2) + "\n")
 
 
-def checkpoint_name(step: int) -> str:
-    """`ckpt-<step>`: the one naming convention of checkpoints (files, best.json, TF's state file)."""
-    return f"ckpt-{step}"
-
-
-def checkpoint_step(name: str) -> int | None:
-    """The step of a checkpoint name such as `ckpt-40`; None for anything else."""
-    match = _CHECKPOINT_NAME.match(name)
-    return int(match.group(1)) if match else None
-
-
-def checkpoint_prefix(run_dir: Path, step: int) -> str:
-    return str(Path(run_dir) / CHECKPOINT_DIR / checkpoint_name(step))
-
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    """Steps of the complete checkpoints on disk (an index file exists), ascending."""
-    directory = Path(run_dir) / CHECKPOINT_DIR
-    if not directory.is_dir():
-        return []
-    steps = []
-    for path in directory.glob("ckpt-*.index"):
-        step = checkpoint_step(path.name[: -len(".index")])
-        if step is not None:
-            steps.append(step)
-    return sorted(steps)
-
-
 def read_best(run_dir: Path) -> dict | None:
     return _read_record(Path(run_dir) / BEST_FILE)
 
@@ -97,33 +66,6 @@ def _read_record(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except ValueError:
         return None
-
-
-def checkpoint_path(run_dir: Path, checkpoint: str | None = "best") -> str:
-    """The checkpoint prefix to restore: `best` (the best validation score; the latest when the run
-    kept no validation split), `latest`, or a name such as `ckpt-40`. RunDirError if absent."""
-    run_dir = Path(run_dir)
-    steps = checkpoint_steps(run_dir)
-    if not steps:
-        raise RunDirError(f"no checkpoint in {run_dir / CHECKPOINT_DIR}")
-    if checkpoint in (None, "best"):
-        best = read_best(run_dir)
-        if best is not None and Path(f"{run_dir / CHECKPOINT_DIR / best['checkpoint']}.index").is_file():
-            return str(run_dir / CHECKPOINT_DIR / best["checkpoint"])
-        checkpoint = "latest"
-    if checkpoint == "latest":
-        return checkpoint_prefix(run_dir, steps[-1])
-    prefix = run_dir / CHECKPOINT_DIR / checkpoint
-    if not Path(f"{prefix}.index").is_file():
-        names = ", ".join(checkpoint_name(s) for s in steps[-5:])
-        raise RunDirError(f"checkpoint {checkpoint!r} not found in {run_dir / CHECKPOINT_DIR} (have: {names}, "
-                          "or best, latest)")
-    return str(prefix)
-
-
-def remove_checkpoint(run_dir: Path, step: int) -> None:
-    for path in (Path(run_dir) / CHECKPOINT_DIR).glob(f"{checkpoint_name(step)}.*"):
-        path.unlink(missing_ok=True)
 
 
 def clean_leftovers(directory: Path) -> list[Path]:

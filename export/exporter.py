@@ -9,6 +9,7 @@ error never leaves a half-written version for a server polling the directory to 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,30 +22,24 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from common.checkpoint import (
+    DamagedCheckpoint,
+    checkpoint_name,
+    checkpoint_path,
+    checkpoint_step,
+    checkpoint_steps,
+    verify_checkpoint,
+)
 from common.mesh import single_device_mesh
 from common.model import (
     CLASS_NAMES,
     PARAMETERS,
     STATISTICS,
-    DamagedCheckpoint,
     ModelConfig,
     mlp_forward,
     restore_model,
-    verify_checkpoint,
 )
-from common.run_dir import (
-    CHECKPOINT_DIR,
-    MODEL_FILE,
-    TMP_PREFIX,
-    RunDirError,
-    checkpoint_name,
-    checkpoint_path,
-    checkpoint_step,
-    checkpoint_steps,
-    clean_leftovers,
-    read_best,
-    read_test,
-)
+from common.run_dir import CHECKPOINT_DIR, MODEL_FILE, TMP_PREFIX, RunDirError, clean_leftovers, read_best, read_test
 from common.tf_serving import ASSETS_EXTRA, CLASSIFY_METHOD, CLASSIFY_SIGNATURE, DEFAULT_SIGNATURE, WARMUP_FILE
 from common.vectorizer import VOCABULARY_FILE, TfIdf, load_vectorizer
 from common.versions import version_number
@@ -139,8 +134,9 @@ def next_version(model_dir: Path) -> int:
     return max((v for v in versions if v is not None), default=0) + 1
 
 
-def _check_run_dir(run_dir: Path, checkpoint: str) -> tuple[str, ModelConfig]:
-    """The checkpoint prefix to export and the model config, or an ExportError saying what is wrong."""
+def _check_run_dir(run_dir: Path, checkpoint: str) -> tuple[str, ModelConfig, TfIdf]:
+    """The checkpoint prefix to export, the model config and the vectorizer, or an ExportError saying
+    what is wrong."""
     if not run_dir.is_dir():
         raise ExportError(f"--checkpoint-dir {run_dir} does not exist")
     if not (run_dir / CHECKPOINT_DIR).is_dir() or not any((run_dir / CHECKPOINT_DIR).iterdir()):
@@ -160,15 +156,15 @@ def _check_run_dir(run_dir: Path, checkpoint: str) -> tuple[str, ModelConfig]:
     except (ValueError, TypeError) as exc:
         raise ExportError(f"{run_dir / MODEL_FILE} is not a valid model config: {exc}") from None
     try:
-        vocabulary_width = json.loads((run_dir / VOCABULARY_FILE).read_text(encoding="utf-8"))["width"]
+        vectorizer = load_vectorizer(run_dir)
     except (ValueError, KeyError, TypeError) as exc:
         raise ExportError(f"{run_dir / VOCABULARY_FILE} is not a valid vocabulary file: {exc!r}") from None
-    if vocabulary_width != model_config.max_tokens:
+    if vectorizer.width != model_config.max_tokens:
         raise ExportError(
-            f"{run_dir / VOCABULARY_FILE} is {vocabulary_width} n-grams wide but {run_dir / MODEL_FILE} "
+            f"{run_dir / VOCABULARY_FILE} is {vectorizer.width} n-grams wide but {run_dir / MODEL_FILE} "
             f"expects {model_config.max_tokens}: they come from different runs"
         )
-    return prefix, model_config
+    return prefix, model_config, vectorizer
 
 
 def _check_shapes(prefix: str, model_config: ModelConfig, model_file: Path) -> None:
@@ -207,11 +203,12 @@ def _checkpoint_stats(run_dir: Path, prefix: str) -> tuple[int | None, float | N
     return step, validation, test
 
 
-def build_serving_model(run_dir: Path, checkpoint: str = "best") -> SentimentModel:
-    """Restore a checkpoint onto a 1-device mesh and wrap its values in a plain-variable SentimentModel."""
+def build_serving_model(run_dir: Path, checkpoint: str = "best", vectorizer: TfIdf | None = None) -> SentimentModel:
+    """Restore a checkpoint onto a 1-device mesh and wrap its values in a plain-variable SentimentModel
+    (with the run's vectorizer, unless it was loaded already)."""
     model = restore_model(run_dir, single_device_mesh(), checkpoint)
     mlp = PlainMLP(model.numpy_weights(), model.config.bn_epsilon)
-    return SentimentModel(load_vectorizer(run_dir), mlp)
+    return SentimentModel(vectorizer or load_vectorizer(run_dir), mlp)
 
 
 def _mark_classify(saved_model_dir: Path) -> None:
@@ -273,7 +270,7 @@ def export_model(config: ExportConfig) -> ExportResult:
     that does not match model.json, or a version that exists already.
     """
     run_dir, model_dir = Path(config.checkpoint_dir), Path(config.model_dir)
-    prefix, model_config = _check_run_dir(run_dir, config.checkpoint)
+    prefix, model_config, vectorizer = _check_run_dir(run_dir, config.checkpoint)
     _check_shapes(prefix, model_config, run_dir / MODEL_FILE)
     version = config.version if config.version is not None else next_version(model_dir)
     final = model_dir / str(version)
@@ -281,7 +278,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         raise ExportError(f"{final} exists already: versions are never overwritten; pick another --version")
     step, validation_accuracy, test_accuracy = _checkpoint_stats(run_dir, prefix)
 
-    module = build_serving_model(run_dir, Path(prefix).name)
+    module = build_serving_model(run_dir, Path(prefix).name, vectorizer)
     log.info("restored %s (step %s); writing %s", prefix, step, final)
 
     created_model_dir = not model_dir.exists()
@@ -305,7 +302,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             "step": step,
             "validation_accuracy": validation_accuracy,
             "test_accuracy": test_accuracy,
-            "model": json.loads((run_dir / MODEL_FILE).read_text()),
+            "model": dataclasses.asdict(model_config),
             "vocabulary_size": len(module.vectorizer.vocabulary),
             "vectorizer": {k: v for k, v in module.vectorizer.state().items() if k not in ("vocabulary", "idf")},
             "class_names": list(CLASS_NAMES),

@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-
 from serve_process import CPP_LOG, REPO
 
 

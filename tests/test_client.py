@@ -14,6 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import pytest
 import requests
+from conftest import MODEL_NAME
+from serve_process import REPO, ServerProcess, free_port
 
 from client import (
     ClientError,
@@ -25,8 +27,6 @@ from client import (
     SentimentClient,
     ServerUnavailable,
 )
-from conftest import MODEL_NAME
-from serve_process import REPO, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from common.model import CLASS_NAMES
-from common.run_dir import checkpoint_path
 from conftest import TINY_TRAIN
+
+from common.checkpoint import checkpoint_path
+from common.model import CLASS_NAMES
 
 pytestmark = pytest.mark.slow  # trains a tiny model, loads exports in fresh processes
 

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import requests
 import tensorflow as tf
+from conftest import MODEL_NAME
 from google.protobuf import json_format
+from serve_process import ServerProcess
 from tensorflow_serving.apis import (
     classification_pb2,
     get_model_metadata_pb2,
@@ -20,9 +22,6 @@ from tensorflow_serving.apis import (
     prediction_service_pb2_grpc,
     regression_pb2,
 )
-
-from conftest import MODEL_NAME
-from serve_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from serve_process import REPO
 
 pytestmark = pytest.mark.slow

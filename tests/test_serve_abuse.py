@@ -17,10 +17,9 @@ import grpc
 import orjson
 import pytest
 import requests
-from tensorflow_serving.apis import classification_pb2, predict_pb2, prediction_service_pb2_grpc
-
 from conftest import MODEL_NAME, copy_model_base
 from serve_process import REPO, HealthProbe, ServerProcess
+from tensorflow_serving.apis import classification_pb2, predict_pb2, prediction_service_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ import base64
 import json
 
 import pytest
-
 from asgi_client import AsgiClient, LoopThread
 from conftest import MODEL_NAME, add_model_version, copy_model_base
+
 from serve import ServeConfig, ServingCore, create_app
 
 TEXTS = ["a great and wonderful movie", "boring, the worst plot", "the film was fun", "awful acting"]

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-
 from conftest import MODEL_NAME, add_model_version, copy_model_base
 from serve_process import CPP_LOG, ServerProcess
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import MODEL_NAME
+from serve_process import HealthProbe, ServerProcess
 from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import (
     classification_pb2,
@@ -24,9 +26,6 @@ from tensorflow_serving.apis import (
     predict_pb2,
     regression_pb2,
 )
-
-from conftest import MODEL_NAME
-from serve_process import HealthProbe, ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,9 @@ import time
 import grpc
 import pytest
 import requests
-from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
-
 from conftest import MODEL_NAME
 from serve_process import ServerProcess
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 import requests
-from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc
-
 from conftest import add_model_version
 from serve_process import REPO, ServerProcess
+from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

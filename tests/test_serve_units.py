@@ -12,15 +12,21 @@ import grpc
 import numpy as np
 import pytest
 
-from serve.core import errors
-from serve.http.asgi import HTTP_STATUS, dumps, error_response
-from serve.core.batcher import Batcher
 from serve.config import ServeConfig
+from serve.core import errors
+from serve.core.batcher import Batcher
 from serve.core.dataplane import validate_inputs
 from serve.core.loaded_model import Signature, TensorInfo
 from serve.core.model_versions import ModelSource, select_versions
+from serve.http.asgi import HTTP_STATUS, dumps, error_response
 from serve.http.v1_codec import (
-    format_classify, format_predict, parse_classify, parse_json, parse_model_path, parse_predict, parse_sentiment,
+    format_classify,
+    format_predict,
+    parse_classify,
+    parse_json,
+    parse_model_path,
+    parse_predict,
+    parse_sentiment,
 )
 
 CONFIG = ServeConfig(model_dir="models/sentiment", max_rows_per_request=4, max_text_bytes=20)

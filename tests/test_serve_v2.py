@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as triton
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tritonclient.utils import InferenceServerException
-
 from conftest import MODEL_NAME
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serve_process import ServerProcess
+from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from conftest import MODEL_NAME, add_model_version, copy_model_base
 from serve_process import ServerProcess
 

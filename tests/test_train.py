@@ -18,9 +18,10 @@ import pytest
 import tensorflow as tf
 
 from common import mesh as meshlib
+from common.checkpoint import checkpoint_steps
 from common.mesh_spec import MeshError, parse_mesh
 from common.model import DTensorMLP, restore_model, to_mesh
-from common.run_dir import BEST_FILE, CHECKPOINT_DIR, METRICS_FILE, TEST_FILE, checkpoint_steps
+from common.run_dir import BEST_FILE, CHECKPOINT_DIR, METRICS_FILE, TEST_FILE
 from common.vectorizer import load_vectorizer, vectorize
 from train.config import TrainConfig
 from train.state import to_host
@@ -134,7 +135,7 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path: Path) -> None:
 
 def test_a_crash_between_the_metrics_line_and_the_checkpoint_leaves_one_line_per_epoch(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from train.checkpoints import CheckpointStore
+    from common.checkpoint import CheckpointStore
 
     config = TrainConfig(run_dir=str(tmp_path), **dict(MECHANICS, epochs=2, validation_fraction=0.1))
     real_save = CheckpointStore.save

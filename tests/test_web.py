@@ -8,12 +8,12 @@ import re
 import shutil
 
 import pytest
-from playwright.sync_api import Page, expect, sync_playwright
-
 from asgi_client import AsgiClient, LoopThread
 from conftest import MODEL_NAME
-from serve import ServeConfig, ServingCore, create_app
+from playwright.sync_api import Page, expect, sync_playwright
 from serve_process import REPO, ServerProcess
+
+from serve import ServeConfig, ServingCore, create_app
 
 CHROMIUM = "/usr/bin/chromium"
 # Without the background-networking flags Chromium keeps calling Google services on a closed network.

@@ -31,17 +31,24 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from common import mesh as meshlib
+from common.checkpoint import (
+    CheckpointStore,
+    DamagedCheckpoint,
+    checkpoint_name,
+    checkpoint_path,
+    checkpoint_prefix,
+    checkpoint_steps,
+    restore_checkpoint,
+    verify_checkpoint,
+)
 from common.mesh_spec import FEATURE
-from common.model import DamagedCheckpoint, ModelConfig, verify_checkpoint
+from common.model import ModelConfig
 from common.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     MODEL_FILE,
     TEST_FILE,
     atomic_write_json,
-    checkpoint_name,
-    checkpoint_prefix,
-    checkpoint_steps,
     clean_leftovers,
     read_best,
     read_test,
@@ -54,7 +61,6 @@ from common.vectorizer import (
     load_vectorizer,
     save_vectorizer,
 )
-from train.checkpoints import CheckpointStore
 from train.config import TrainConfig
 from train.data import Split
 from train.pipeline import Batches, chunks, epoch_order, load_splits
@@ -311,7 +317,7 @@ def _test(state: TrainState, batches: Batches, test: Split, progress: dict, stor
         loss, accuracy = done["test_loss"], done["test_accuracy"]  # a finished run asked again
     else:
         if best:
-            tf.train.Checkpoint(model=state.model).restore(str(run_dir / CHECKPOINT_DIR / checkpoint)).expect_partial()
+            restore_checkpoint(tf.train.Checkpoint(model=state.model), checkpoint_path(run_dir, checkpoint), partial=True)
         loss, accuracy = evaluate(state, batches, test)
         if store.chief:
             atomic_write_json(run_dir / TEST_FILE, {"checkpoint": checkpoint, "test_loss": loss,

@@ -49,6 +49,8 @@ HEALTH_SERVICE = "grpc.health.v1.Health"
 HEALTH_SERVICES = ("", PREDICTION_SERVICE, MODEL_SERVICE)
 """Names the Health service answers for ("" is the whole server, what Kubernetes asks by default)."""
 HEALTH_POLL_S = 0.25
+HEALTH_FAREWELL_S = 1.0
+"""On drain, how long Watch streams get to send their last NOT_SERVING before the server stops."""
 
 _ERROR_CODES = get_model_status_pb2.ModelVersionStatus.DESCRIPTOR.fields_by_name["status"].message_type \
     .fields_by_name["error_code"].enum_type.values_by_name
@@ -260,6 +262,16 @@ class Health:
         self.core = core
         self.pb = health_pb2
         self.closing = asyncio.Event()
+        self.watching = 0
+        """Watch streams open now: on drain each sends NOT_SERVING and ends before the server stops."""
+
+    async def close(self, timeout_s: float) -> None:
+        """NOT_SERVING to every checker and watcher; waits (up to `timeout_s`) until each Watch
+        stream has sent it and ended, so that stopping the server cannot cut the last message off."""
+        self.closing.set()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.watching and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
 
     def _status(self, service: str) -> int:
         status = self.pb.HealthCheckResponse
@@ -287,15 +299,19 @@ class Health:
         if request is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid grpc.health.v1.HealthCheckRequest")
         last = None
-        while True:
-            status = self._status(request.service)
-            if status != last:
-                yield self.pb.HealthCheckResponse(status=status).SerializeToString()
-                last = status
-            if self.closing.is_set():
-                return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.closing.wait(), HEALTH_POLL_S)
+        self.watching += 1
+        try:
+            while True:
+                status = self._status(request.service)
+                if status != last:
+                    yield self.pb.HealthCheckResponse(status=status).SerializeToString()
+                    last = status
+                if self.closing.is_set():
+                    return
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.closing.wait(), HEALTH_POLL_S)
+        finally:
+            self.watching -= 1
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(HEALTH_SERVICE, {
@@ -340,7 +356,7 @@ class GrpcServer:
         """Refuse new RPCs now, let running ones finish for up to `grace_s`; returns how many had
         to be abandoned."""
         loop = asyncio.get_running_loop()
-        self.health.closing.set()
+        await self.health.close(min(grace_s, HEALTH_FAREWELL_S))
         stopping = asyncio.ensure_future(self._server.stop(grace_s))
         deadline = loop.time() + grace_s
         while self.api.in_flight and loop.time() < deadline:
