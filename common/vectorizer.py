@@ -175,9 +175,3 @@ def load_vectorizer(run_dir: Path) -> TfIdf:
     settings = VectorizerSettings(ngrams=state["ngrams"], sublinear_tf=state["sublinear_tf"],
                                   normalize=state["normalize"], min_df=state["min_df"])
     return TfIdf(state["vocabulary"], np.asarray(state["idf"], np.float32), settings, state["width"])
-
-
-def vectorize(vectorizer: TfIdf, texts: Sequence[str], batch: int = 1024) -> np.ndarray:
-    """Dense TF-IDF rows for a few texts (tests, inspection); training never calls this on a corpus."""
-    parts = [vectorizer.dense(tf.constant(list(texts[i : i + batch]))).numpy() for i in range(0, len(texts), batch)]
-    return np.concatenate(parts) if parts else np.zeros((0, vectorizer.width), np.float32)

@@ -211,7 +211,7 @@ def build_serving_model(run_dir: Path, checkpoint: str = "best", vectorizer: TfI
     return SentimentModel(vectorizer or load_vectorizer(run_dir), mlp)
 
 
-def _mark_classify(saved_model_dir: Path) -> None:
+def mark_classify(saved_model_dir: Path) -> None:
     """TF2's saved_model.save writes every signature as a Predict one; TF Serving's Classify API
     needs method_name tensorflow/serving/classify, so set it in saved_model.pb."""
     from tensorflow.core.protobuf import saved_model_pb2
@@ -294,7 +294,7 @@ def export_model(config: ExportConfig) -> ExportResult:
                 CLASSIFY_SIGNATURE: module.classify.get_concrete_function(),
             },
         )
-        _mark_classify(tmp)
+        mark_classify(tmp)
         (tmp / ASSETS_EXTRA).mkdir()
         _write_warmup(tmp / WARMUP_FILE, model_dir.resolve().name, config.samples)
         info = {

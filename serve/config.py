@@ -3,7 +3,6 @@ from it (`common.cli`). Importing this module never imports TensorFlow."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -117,8 +116,6 @@ class ServeConfig:
     warmup: bool = option(True, "replay assets.extra/tf_serving_warmup_requests before a version goes live")
     access_log: bool = option(False, "log one line per request")
     log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
-    model_delay_s: float = option(0.0, "delay added to every model call (tests)", flag="--model-delay-ms",
-                                  parse=_milliseconds, hidden=True)
 
     def __post_init__(self) -> None:
         if self.model_config_file:
@@ -144,7 +141,7 @@ class ServeConfig:
                      "max_rows_per_request", "max_text_bytes", "max_connections", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be at least 1")
-        for name in ("batch_timeout_s", "poll_interval_s", "drain_timeout_s", "model_delay_s"):
+        for name in ("batch_timeout_s", "poll_interval_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must not be negative")
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
@@ -157,9 +154,6 @@ class ServeConfig:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be in 0..65535")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"--log-level {self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
-
-    def replace(self, **changes) -> "ServeConfig":
-        return dataclasses.replace(self, **changes)
 
 
 def configure_logging(config: ServeConfig, worker: int | None = None) -> None:

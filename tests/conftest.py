@@ -73,8 +73,32 @@ def model_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
+@pytest.fixture(scope="session")
+def slow_model(model_base, tmp_path_factory):
+    """Factory: delay in seconds -> a model base whose calls take that much longer (cached)."""
+    from slow_model import save_slow_model
+
+    made: dict[float, Path] = {}
+
+    def make(delay_s: float) -> Path:
+        if delay_s not in made:
+            made[delay_s] = save_slow_model(model_base, tmp_path_factory.mktemp("slow"), delay_s)
+        return made[delay_s]
+
+    return make
+
+
 def copy_model_base(model_base: Path, dest: Path) -> Path:
     """A private copy of `model_base` (e.g. to add versions to) at `dest/NAME`."""
     target = dest / model_base.name
     shutil.copytree(model_base, target)
     return target
+
+
+def vectorize(vectorizer, texts, batch: int = 1024):  # noqa: ANN001, ANN201 - a TfIdf -> np.ndarray
+    """Dense TF-IDF rows for a few texts: what tests inspect (training never densifies a corpus)."""
+    import numpy as np
+    import tensorflow as tf
+
+    parts = [vectorizer.dense(tf.constant(list(texts[i : i + batch]))).numpy() for i in range(0, len(texts), batch)]
+    return np.concatenate(parts) if parts else np.zeros((0, vectorizer.width), np.float32)

@@ -131,9 +131,9 @@ def test_server_down_is_server_unavailable(transport):
 
 
 @pytest.fixture(scope="module")
-def slow_server(model_base):
+def slow_server(slow_model):
     """Model calls take 2 s, the server's deadline is 3 s, one queued row at most, batches of one."""
-    srv = _start(model_base, "--model-delay-ms", "2000", "--request-timeout", "3", "--max-queued-rows", "1",
+    srv = _start(slow_model(2.0), "--request-timeout", "3", "--max-queued-rows", "1",
                  "--max-batch-size", "1", "--no-warmup")
     yield srv
     assert srv.stop() == 0, srv.log()

@@ -94,7 +94,8 @@ def reference(trained_run):
 
     from common.mesh import single_device_mesh
     from common.model import restore_model, to_mesh
-    from common.vectorizer import load_vectorizer, vectorize
+    from common.vectorizer import load_vectorizer
+    from conftest import vectorize
 
     model = restore_model(trained_run, single_device_mesh())
     x = vectorize(load_vectorizer(trained_run), TEXTS)

@@ -237,7 +237,7 @@ def warm_up(stub) -> None:
     raise AssertionError("the slow server never answered in time")
 
 
-def test_deadline_overload_and_drain(model_base):
+def test_deadline_overload_and_drain(slow_model):
     """Every model call takes 2 s, requests time out after 3 s, and only 1 row may wait in the queue
     (batches of 1 row, so A and B are never merged).
 
@@ -245,7 +245,7 @@ def test_deadline_overload_and_drain(model_base):
     t=0.3 B waits for A, runs 2.0-4.0, past its deadline (3.3): DEADLINE_EXCEEDED;
     t=0.6 C finds B queued: RESOURCE_EXHAUSTED at once.
     """
-    srv = _start(model_base, "--model-delay-ms", "2000", "--request-timeout", "3", "--max-queued-rows", "1",
+    srv = _start(slow_model(2.0), "--request-timeout", "3", "--max-queued-rows", "1",
                  "--max-batch-size", "1", "--no-warmup", "--drain-timeout", "5")
     try:
         with grpc.insecure_channel(srv.grpc_target) as channel:

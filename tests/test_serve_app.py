@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
+import time
 
 import pytest
 from asgi_client import AsgiClient, LoopThread
 from conftest import MODEL_NAME, add_model_version, copy_model_base
 
 from serve import ServeConfig, ServingCore, create_app
+from serve.core.model_versions import version_dirs
 
 TEXTS = ["a great and wonderful movie", "boring, the worst plot", "the film was fun", "awful acting"]
 
@@ -20,6 +23,13 @@ def two_versions(model_base, tmp_path_factory):
     base = copy_model_base(model_base, tmp_path_factory.mktemp("app"))
     add_model_version(base, 2)
     return base
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +44,12 @@ def make_app(two_versions, loop):
     """Factory: (config overrides) -> (client, core), the core loaded synchronously."""
     cores = []
 
-    def make(load: bool = True, model_dir=None, **overrides):
+    def make(model_dir=None, **overrides):
         config = ServeConfig(model_dir=str(model_dir or two_versions), poll_interval_s=0, **overrides)
         core = ServingCore(config)
-        loop.run(core.start(load=False))
-        if load:
-            core.load_now()
+        loop.run(core.start())
         cores.append(core)
+        wait_for(lambda: core.ready or not any(version_dirs(config.model_dir)[0]))
         return AsgiClient(create_app(config, core), loop), core
 
     yield make
@@ -282,19 +291,21 @@ def test_gzip_bodies_are_inflated(client):
 
 # -- health, metrics, openapi --------------------------------------------------------------------
 
-def test_health_and_readiness(client, make_app):
+def test_health_and_readiness(client, make_app, two_versions, tmp_path):
     assert (client.get("/healthz").status_code, client.get("/healthz").json) == (200, {"status": "ok"})
     r = client.get("/readyz")
     assert (r.status_code, r.json) == (200, {"status": "ready", "model": MODEL_NAME, "versions": ["1", "2"],
                                              "models": {MODEL_NAME: ["1", "2"]}})
-    c, core = make_app(load=False)
+    empty = tmp_path / MODEL_NAME
+    empty.mkdir()
+    c, core = make_app(model_dir=empty)
     assert c.get("/healthz").status_code == 200
     r = c.get("/readyz")
     assert (r.status_code, r.json) == (503, {"error": "not ready: no model version loaded and warmed up yet"})
     r = predict(c, {"instances": ["a"]})
     assert r.status_code == 503 and "no version loaded" in r.json["error"]
-    core.load_now()
-    assert c.get("/readyz").status_code == 200
+    shutil.copytree(two_versions / "1", empty / "1")  # the poller retries every second until one loads
+    wait_for(lambda: c.get("/readyz").status_code == 200)
     core.begin_drain()
     assert (c.get("/readyz").status_code, c.get("/readyz").json) == (503, {"error": "not ready: shutting down"})
 
@@ -353,8 +364,8 @@ def _parallel_posts(client, n, body):
 
 
 @pytest.mark.parametrize("status", [429, 503])
-def test_overload(make_app, status):
-    c, _ = make_app(max_batch_size=1, batch_timeout_s=0, max_queued_rows=1, model_delay_s=0.2,
+def test_overload(make_app, slow_model, status):
+    c, _ = make_app(max_batch_size=1, batch_timeout_s=0, max_queued_rows=1, model_dir=slow_model(0.2),
                     overload_status=status, warmup=False)
     responses = _parallel_posts(c, 6, {"instances": ["good"]})
     codes = sorted(r.status_code for r in responses)
@@ -364,8 +375,8 @@ def test_overload(make_app, status):
     assert rejected.headers["retry-after"] == "1"
 
 
-def test_deadline_504(make_app):
-    c, _ = make_app(request_timeout_s=0.05, model_delay_s=0.3, warmup=False)
+def test_deadline_504(make_app, slow_model):
+    c, _ = make_app(request_timeout_s=0.05, model_dir=slow_model(0.3), warmup=False)
     r = predict(c, {"instances": ["good"]})
     assert (r.status_code, r.json) == (504, {"error": "deadline exceeded before the model call completed"})
 

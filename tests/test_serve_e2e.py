@@ -147,8 +147,8 @@ def test_hot_reload_under_load_drops_nothing(model_base, tmp_path):
 
 # -- graceful shutdown ---------------------------------------------------------------------------
 
-def test_sigterm_drains_in_flight_requests(model_base):
-    srv = ServerProcess(model_base, "--poll-interval", "0", "--model-delay-ms", "1500", "--no-warmup")
+def test_sigterm_drains_in_flight_requests(slow_model):
+    srv = ServerProcess(slow_model(1.5), "--poll-interval", "0", "--no-warmup")
     result = {}
 
     def slow_request():

@@ -271,8 +271,8 @@ def test_sigterm_under_keep_alive_load_answers_every_request_it_received(model_b
     assert answered[0] > 50
 
 
-def test_drain_timeout_abandons_with_exit_1_and_says_so(model_base, tmp_path):
-    srv = ServerProcess(model_base, "--poll-interval", "0", "--model-delay-ms", "3000", "--no-warmup",
+def test_drain_timeout_abandons_with_exit_1_and_says_so(slow_model, tmp_path):
+    srv = ServerProcess(slow_model(3.0), "--poll-interval", "0", "--no-warmup",
                         "--drain-timeout", "0.5", log_path=tmp_path / "serve.log")
     result = {}
 

@@ -22,7 +22,8 @@ from common.checkpoint import checkpoint_steps
 from common.mesh_spec import MeshError, parse_mesh
 from common.model import DTensorMLP, restore_model, to_mesh
 from common.run_dir import BEST_FILE, CHECKPOINT_DIR, METRICS_FILE, TEST_FILE
-from common.vectorizer import load_vectorizer, vectorize
+from common.vectorizer import load_vectorizer
+from conftest import vectorize
 from train.config import TrainConfig
 from train.state import to_host
 from train.trainer import TrainingError, train

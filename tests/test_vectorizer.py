@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from common import vectorizer as vec
 from common.vectorizer import VectorizerSettings, build_vocabulary, load_vectorizer, save_vectorizer, tokens
+from conftest import vectorize
 
 TEXTS = ["A great film.<br /><br />Great acting, don't miss it!", "A dull film; dull plot.", "Great, GREAT fun",
          "Élan and ÉCLAT: a film"]
@@ -43,17 +44,17 @@ def test_vocabulary_order_min_df_width_and_idf():
 
 def test_weights_sublinear_and_normalised():
     plain = build_vocabulary(TEXTS, 100, VectorizerSettings(ngrams=1, min_df=1, sublinear_tf=False, normalize=False))
-    row = vec.vectorize(plain, ["great great great film"])[0]
+    row = vectorize(plain, ["great great great film"])[0]
     great, film = plain.vocabulary.index("great"), plain.vocabulary.index("film")
     idf = np.asarray(plain.idf)
     assert row[great] == pytest.approx(3 * idf[great]) and row[film] == pytest.approx(idf[film])
     sub = build_vocabulary(TEXTS, 100, VectorizerSettings(ngrams=1, min_df=1, sublinear_tf=True, normalize=True))
-    row = vec.vectorize(sub, ["great great great film"])[0]
+    row = vectorize(sub, ["great great great film"])[0]
     expected = np.array([(1 + math.log(3)) * idf[great], idf[film]])
     expected /= np.linalg.norm(expected)
     assert (row[great], row[film]) == pytest.approx(tuple(expected))
     assert np.linalg.norm(row) == pytest.approx(1.0)
-    assert not vec.vectorize(sub, ["zzz qqq"]).any()  # nothing known: an all-zero row, no NaN
+    assert not vectorize(sub, ["zzz qqq"]).any()  # nothing known: an all-zero row, no NaN
 
 
 def test_sparse_and_dense_agree_and_save_load_round_trips(tmp_path):

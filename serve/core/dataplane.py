@@ -87,7 +87,6 @@ class ServingCore:
         self.metrics.queued_rows.set_function(lambda: sum(b.queued_rows for b in self.batchers.values()))
         self._draining = False
         self._started = False
-        self._load = True
 
     def _add(self, source: ModelSource) -> None:
         self.models[source.name] = ModelVersions(source, self.config, on_change=self._on_model_change)
@@ -104,25 +103,17 @@ class ServingCore:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self, *, load: bool = True) -> "ServingCore":
-        """Start the batchers on the running loop and (unless `load` is False: tests that call
-        `load_now`) loading and polling model versions in background threads."""
-        self._started, self._load = True, load
+    async def start(self) -> "ServingCore":
+        """Start the batchers on the running loop, and loading and polling model versions in
+        background threads."""
+        self._started = True
         for name in self.models:
             self._start_model(name)
         return self
 
     def _start_model(self, name: str) -> None:
         self.batchers[name].start()
-        if self._load:
-            self.models[name].start()
-
-    def load_now(self) -> "ServingCore":
-        """Load every model synchronously (tests, benchmarks) from what is on disk now, taken as
-        finished; polling is not started."""
-        for registry in self.models.values():
-            registry.refresh(settle=False)
-        return self
+        self.models[name].start()
 
     async def apply_sources(self, sources: Sequence[ModelSource]) -> None:
         """A new set of models (a re-read model config file): start new ones, stop removed ones,

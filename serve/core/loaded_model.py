@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -49,7 +48,7 @@ class LoadError(Exception):
 class LoadedModel:
     """One loaded SavedModel version; `runner(name)` gives the batchable call of a signature."""
 
-    def __init__(self, name: str, version: int, path: Path, model_delay_s: float = 0.0) -> None:
+    def __init__(self, name: str, version: int, path: Path) -> None:
         import tensorflow as tf
         from google.protobuf import json_format
         from tensorflow.core.protobuf import saved_model_pb2
@@ -57,7 +56,6 @@ class LoadedModel:
         self.name = name
         self.version = version
         self.path = path
-        self._delay = model_delay_s
         proto = saved_model_pb2.SavedModel()
         try:
             proto.ParseFromString((path / "saved_model.pb").read_bytes())
@@ -89,7 +87,7 @@ class LoadedModel:
                 inputs={k: _tensor_info(v) for k, v in sig.inputs.items()},
                 outputs={k: _tensor_info(v) for k, v in sig.outputs.items()},
             )
-        self._runners = {name: _SignatureRunner(self._functions[name], self._delay) for name in self._functions}
+        self._runners = {name: _SignatureRunner(self._functions[name]) for name in self._functions}
 
     def signature(self, name: str) -> Signature:
         try:
@@ -164,17 +162,14 @@ class LoadedModel:
 class _SignatureRunner:
     """Calls one concrete function with numpy inputs, returns numpy outputs."""
 
-    __slots__ = ("_fn", "_delay")
+    __slots__ = ("_fn",)
 
-    def __init__(self, fn, delay: float) -> None:
+    def __init__(self, fn) -> None:  # noqa: ANN001 - a ConcreteFunction
         self._fn = fn
-        self._delay = delay
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         import tensorflow as tf
 
-        if self._delay:
-            time.sleep(self._delay)
         outputs = self._fn(**{k: tf.constant(v) for k, v in inputs.items()})
         return {k: v.numpy() for k, v in outputs.items()}
 

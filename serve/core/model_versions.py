@@ -326,7 +326,7 @@ class ModelVersions:
         log.info("loading model %s version %d from %s", self.name, version, path)
         start = time.perf_counter()
         try:
-            model = LoadedModel(self.name, version, path, self.config.model_delay_s)
+            model = LoadedModel(self.name, version, path)
             calls = model.warm_up(self.config.max_batch_size) if self.config.warmup else 0
         except Exception as exc:  # noqa: BLE001 - a bad version must not stop the server
             self._record_failure(version, path, exc)
