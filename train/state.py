@@ -6,6 +6,8 @@ variables, nothing else. Everything with outside effects (files, logs, signals) 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -23,35 +25,52 @@ def to_host(value: tf.Tensor) -> np.ndarray:
     return dtensor.unpack(value)[0].numpy()
 
 
-class Progress(tf.Module):
-    """Where training is, checkpointed with the weights so a resume continues mid-epoch exactly:
-    the step, the epoch, the running sums of the epoch's loss and accuracy, and the model selection
-    (best validation accuracy so far, its step, epochs since)."""
+@dataclasses.dataclass
+class TrainProgress:
+    """Where training is: the step, the epoch, the running sums of the epoch's loss and accuracy,
+    and the model selection (best validation accuracy so far, its step, epochs since)."""
 
-    FIELDS = {
-        "step": tf.int64, "epoch": tf.int64, "examples_in_epoch": tf.int64,
-        "epoch_loss_sum": tf.float64, "epoch_accuracy_sum": tf.float64, "epoch_steps": tf.int64,
-        "epoch_seconds": tf.float64,
-        "best_accuracy": tf.float64, "best_loss": tf.float64, "best_step": tf.int64, "since_best": tf.int64,
-    }
+    step: int = 0
+    epoch: int = 0
+    examples_in_epoch: int = 0
+    epoch_loss_sum: float = 0.0
+    epoch_accuracy_sum: float = 0.0
+    epoch_steps: int = 0
+    epoch_seconds: float = 0.0
+    best_accuracy: float = -1.0
+    best_loss: float = 0.0
+    best_step: int = -1
+    since_best: int = 0
+
+    def start_epoch(self) -> None:
+        """The next epoch begins: its running sums start over."""
+        self.epoch += 1
+        self.examples_in_epoch = self.epoch_steps = 0
+        self.epoch_loss_sum = self.epoch_accuracy_sum = self.epoch_seconds = 0.0
+
+
+class Progress(tf.Module):
+    """A TrainProgress as replicated DVariables, checkpointed with the weights so that a resume
+    continues mid-epoch exactly."""
+
+    FIELDS = {f.name: tf.int64 if f.type in (int, "int") else tf.float64 for f in dataclasses.fields(TrainProgress)}
 
     def __init__(self, mesh: dtensor.Mesh) -> None:
         super().__init__(name="progress")
         layout = dtensor.Layout.replicated(mesh, 0)
-        for name, dtype in self.FIELDS.items():
-            initial = -1 if name in ("best_accuracy", "best_step") else 0
-            setattr(self, name, dtensor.DVariable(dtensor.copy_to_mesh(tf.constant(initial, dtype), layout),
+        for name, value in dataclasses.asdict(TrainProgress()).items():
+            setattr(self, name, dtensor.DVariable(dtensor.copy_to_mesh(tf.constant(value, self.FIELDS[name]), layout),
                                                   trainable=False, name=name))
 
-    def read(self) -> dict[str, float | int]:
-        out: dict[str, float | int] = {}
+    def read(self) -> TrainProgress:
+        values = {}
         for name, dtype in self.FIELDS.items():
             value = to_host(getattr(self, name).read_value())
-            out[name] = int(value) if dtype == tf.int64 else float(value)
-        return out
+            values[name] = int(value) if dtype == tf.int64 else float(value)
+        return TrainProgress(**values)
 
-    def write(self, values: dict[str, float | int]) -> None:
-        for name, value in values.items():
+    def write(self, progress: TrainProgress) -> None:
+        for name, value in dataclasses.asdict(progress).items():
             var = getattr(self, name)
             var.assign(dtensor.copy_to_mesh(tf.constant(value, self.FIELDS[name]), dtensor.fetch_layout(var)))
 

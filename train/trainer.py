@@ -65,7 +65,7 @@ from train.config import TrainConfig
 from train.data import Split
 from train.pipeline import Batches, chunks, epoch_order, load_splits
 from train.report import Report, progress_bar
-from train.state import TrainState, to_host
+from train.state import TrainProgress, TrainState, to_host
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
         log.info("resumed from %s", store.latest())
     progress = state.progress.read()
     report = Report(run_dir, chief=chief, progress=config.progress, tensorboard=config.tensorboard,
-                    finished_epochs=progress["epoch"])
+                    finished_epochs=progress.epoch)
     batches = Batches(mesh, state.model.layouts, vectorizer, config)
     log.info("mesh %s on %d %s device(s), vocabulary of %d n-grams (width %d); %d steps/epoch, batch %d",
              ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names), mesh.num_local_devices() * config.num_clients,
@@ -199,93 +199,93 @@ def _prepare_vocabulary(config: TrainConfig, run_dir: Path, train: Split, resumi
 # -- epochs --------------------------------------------------------------------------------------
 
 
-def _finished(progress: dict, config: TrainConfig) -> bool:
-    if config.max_steps is not None and progress["step"] >= config.max_steps:
+def _finished(progress: TrainProgress, config: TrainConfig) -> bool:
+    if config.max_steps is not None and progress.step >= config.max_steps:
         return True
-    if config.patience and config.validation_fraction and progress["since_best"] >= config.patience:
+    if config.patience and config.validation_fraction and progress.since_best >= config.patience:
         return True
-    return progress["epoch"] >= config.epochs
+    return progress.epoch >= config.epochs
 
 
-def _train_epoch(state: TrainState, batches: Batches, split: Split, progress: dict, config: TrainConfig,
+def _train_epoch(state: TrainState, batches: Batches, split: Split, progress: TrainProgress, config: TrainConfig,
                  stop: threading.Event, store: CheckpointStore, report: Report) -> bool:
     """Train (the rest of) the current epoch; True when it finished, False when --max-steps cut it."""
     G = config.batch_size
     steps_per_epoch = len(split.texts) // G
-    start_batch = progress["examples_in_epoch"] // G
-    rows = epoch_order(len(split.texts), config.seed, progress["epoch"])[start_batch * G : steps_per_epoch * G]
+    start_batch = progress.examples_in_epoch // G
+    rows = epoch_order(len(split.texts), config.seed, progress.epoch)[start_batch * G : steps_per_epoch * G]
     todo = len(rows) // G
     if config.max_steps is not None:
-        todo = min(todo, config.max_steps - progress["step"])
+        todo = min(todo, config.max_steps - progress.step)
     iterator = batches.training(split, rows[: todo * G])
-    bar = report.bar(steps_per_epoch, start_batch, f"epoch {progress['epoch'] + 1}/{config.epochs}")
+    bar = report.bar(steps_per_epoch, start_batch, f"epoch {progress.epoch + 1}/{config.epochs}")
     started = time.perf_counter()
     try:
         for num_steps in chunks(todo, config.steps_per_call):
             losses, accuracies = _sum_steps(state.train_step, iterator, num_steps)
-            previous = progress["step"]
-            progress["step"] += num_steps
-            progress["examples_in_epoch"] += num_steps * G
-            progress["epoch_steps"] += num_steps
-            progress["epoch_loss_sum"] += float(to_host(losses))
-            progress["epoch_accuracy_sum"] += float(to_host(accuracies))
+            previous = progress.step
+            progress.step += num_steps
+            progress.examples_in_epoch += num_steps * G
+            progress.epoch_steps += num_steps
+            progress.epoch_loss_sum += float(to_host(losses))
+            progress.epoch_accuracy_sum += float(to_host(accuracies))
             elapsed = time.perf_counter() - started
             if bar is not None:
                 bar.update(num_steps)
-                bar.set_postfix(loss=f"{progress['epoch_loss_sum'] / progress['epoch_steps']:.4f}", refresh=False)
+                bar.set_postfix(loss=f"{progress.epoch_loss_sum / progress.epoch_steps:.4f}", refresh=False)
             if stop_agreed(state.mesh, config, stop.is_set()):
-                progress["epoch_seconds"] += elapsed
+                progress.epoch_seconds += elapsed
                 _save(state, store, progress)
-                raise TrainingInterrupted(stop.signum or signal.SIGTERM, progress["step"])  # type: ignore[attr-defined]
+                raise TrainingInterrupted(stop.signum or signal.SIGTERM, progress.step)  # type: ignore[attr-defined]
             every = config.checkpoint_every
-            if every and progress["step"] // every > previous // every:
-                _save(state, store, {**progress, "epoch_seconds": progress["epoch_seconds"] + elapsed})
+            if every and progress.step // every > previous // every:
+                _save(state, store, dataclasses.replace(progress, epoch_seconds=progress.epoch_seconds + elapsed))
     finally:
         if bar is not None:
             bar.close()
-    progress["epoch_seconds"] += time.perf_counter() - started
-    return progress["examples_in_epoch"] >= steps_per_epoch * G
+    progress.epoch_seconds += time.perf_counter() - started
+    return progress.examples_in_epoch >= steps_per_epoch * G
 
 
-def _end_epoch(state: TrainState, batches: Batches, validation: Split | None, progress: dict, config: TrainConfig,
+def _end_epoch(state: TrainState, batches: Batches, validation: Split | None, progress: TrainProgress, config: TrainConfig,
                store: CheckpointStore, report: Report) -> None:
     """Validation, model selection, the metrics line, the checkpoint (in that order: a crash before the
     checkpoint drops the line on resume, and the epoch is recorded once when it is run again)."""
-    steps = max(progress["epoch_steps"], 1)
+    steps = max(progress.epoch_steps, 1)
     record = {
-        "epoch": progress["epoch"] + 1,
-        "step": progress["step"],
-        "train_loss": progress["epoch_loss_sum"] / steps,
-        "train_accuracy": progress["epoch_accuracy_sum"] / steps,
-        "examples_per_second": steps * config.batch_size / progress["epoch_seconds"] if progress["epoch_seconds"] else None,
+        "epoch": progress.epoch + 1,
+        "step": progress.step,
+        "train_loss": progress.epoch_loss_sum / steps,
+        "train_accuracy": progress.epoch_accuracy_sum / steps,
+        "examples_per_second": steps * config.batch_size / progress.epoch_seconds if progress.epoch_seconds else None,
         "time": time.time(),
     }
     best = None
     if validation is not None:
         loss, accuracy = evaluate(state, batches, validation)
         record.update(validation_loss=loss, validation_accuracy=accuracy)
-        improved = accuracy > progress["best_accuracy"] or (
-            accuracy == progress["best_accuracy"] and loss < progress["best_loss"])
+        improved = accuracy > progress.best_accuracy or (
+            accuracy == progress.best_accuracy and loss < progress.best_loss)
         if improved:
-            progress.update(best_accuracy=accuracy, best_loss=loss, best_step=progress["step"], since_best=0)
-            best = {"epoch": record["epoch"], "step": progress["step"], "validation_loss": loss,
+            progress.best_accuracy, progress.best_loss, progress.best_step, progress.since_best = (
+                accuracy, loss, progress.step, 0)
+            best = {"epoch": record["epoch"], "step": progress.step, "validation_loss": loss,
                     "validation_accuracy": accuracy}
         else:
-            progress["since_best"] += 1
+            progress.since_best += 1
         record["best"] = improved
-    progress.update(epoch=progress["epoch"] + 1, examples_in_epoch=0, epoch_steps=0, epoch_loss_sum=0.0,
-                    epoch_accuracy_sum=0.0, epoch_seconds=0.0)
+    progress.start_epoch()
     report.epoch(record, config.learning_rate)
     _save(state, store, progress, best)
-    if validation is not None and config.patience and progress["since_best"] >= config.patience \
-            and progress["epoch"] < config.epochs:
+    if validation is not None and config.patience and progress.since_best >= config.patience \
+            and progress.epoch < config.epochs:
         log.info("stopping early: no better validation accuracy for %d epoch(s); best %s", config.patience,
-                 checkpoint_name(progress["best_step"]))
+                 checkpoint_name(progress.best_step))
 
 
-def _save(state: TrainState, store: CheckpointStore, progress: dict, best: dict | None = None) -> None:
+def _save(state: TrainState, store: CheckpointStore, progress: TrainProgress, best: dict | None = None) -> None:
     state.progress.write(progress)
-    store.save(progress["step"], best)
+    store.save(progress.step, best)
 
 
 def evaluate(state: TrainState, batches: Batches, split: Split) -> tuple[float, float]:
@@ -307,7 +307,7 @@ def _sum_steps(step, iterator: Iterator, num_steps: int | None) -> tuple[tf.Tens
     return first, second
 
 
-def _test(state: TrainState, batches: Batches, test: Split, progress: dict, store: CheckpointStore, report: Report,
+def _test(state: TrainState, batches: Batches, test: Split, progress: TrainProgress, store: CheckpointStore, report: Report,
           run_dir: Path) -> TrainResult:
     """The test split, once, on the best checkpoint (the latest without a validation split)."""
     best = read_best(run_dir)
@@ -322,8 +322,8 @@ def _test(state: TrainState, batches: Batches, test: Split, progress: dict, stor
         if store.chief:
             atomic_write_json(run_dir / TEST_FILE, {"checkpoint": checkpoint, "test_loss": loss,
                                                     "test_accuracy": accuracy, "examples": len(test.texts)})
-        report.test(progress["step"], loss, accuracy, checkpoint)
-    return TrainResult(run_dir, progress["step"], progress["epoch"], checkpoint,
+        report.test(progress.step, loss, accuracy, checkpoint)
+    return TrainResult(run_dir, progress.step, progress.epoch, checkpoint,
                        best.get("validation_accuracy") if best else None, loss, accuracy, report.history)
 
 
