@@ -8,6 +8,7 @@ Measured side by side, each load level in --rounds slices that alternate which s
   - `serve x2`: python -m serve --workers 2;
   - `naive`:    one Flask route calling the SavedModel once per request, under waitress (64 threads),
                 the same request and response JSON (needs `pip install -e ".[bench]"`);
+  - `baseline`: with --baseline CHECKOUT, python -m serve of that checkout (an earlier commit);
   - the in-process model call (no HTTP) for 1 and 64 reviews per call.
 Load: `wrk` (Debian package `wrk`; a Python load generator saturates before these servers do), one
 thread, keep-alive connections, one real ~170-word review per request (from ../shared/data/imdb when
@@ -223,6 +224,9 @@ def main() -> None:
     p.add_argument("--batch-rows", type=int, default=16, help="reviews per request in the multi-review row (c=32)")
     p.add_argument("--servers", default="serve,serve x2,naive", help="which servers to measure")
     p.add_argument("--serve-args", default="", help="extra arguments for python -m serve")
+    p.add_argument("--baseline", metavar="CHECKOUT",
+                   help="also measure python -m serve of another checkout of this repository (e.g. a git "
+                        "worktree of an earlier commit), as server 'baseline', in the same alternating slices")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -247,7 +251,7 @@ def main() -> None:
     script.write_text(WRK_SCRIPT)
     levels = [int(c) for c in a.concurrency.split(",")]
     rows_plan = [(c, 1) for c in levels] + [(32, a.batch_rows)]
-    servers = [s.strip() for s in a.servers.split(",")]
+    servers = [s.strip() for s in a.servers.split(",")] + (["baseline"] if a.baseline else [])
 
     rate = model_call_rate(a.model_dir, text)
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -259,8 +263,13 @@ def main() -> None:
         "serve x2": [*serve_cmd, "--port", str(ports.get("serve x2", 0)), "--workers", "2"],
         "naive": [sys.executable, __file__, "--naive-server", "--model-dir", a.model_dir,
                   "--port", str(ports.get("naive", 0))],
+        "baseline": [*serve_cmd, "--port", str(ports.get("baseline", 0))],
     }
-    procs = {s: subprocess.Popen(commands[s], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    where = {s: (REPO, env) for s in servers}
+    if a.baseline:
+        where["baseline"] = (Path(a.baseline).resolve(), {**env, "PYTHONPATH": str(Path(a.baseline).resolve())})
+    procs = {s: subprocess.Popen(commands[s], cwd=where[s][0], env=where[s][1], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
              for s in servers}
     path = f"/v1/models/{name}:predict"
     results: dict[str, dict[str, dict]] = {s: {} for s in servers}

@@ -112,6 +112,25 @@ def check_client_mesh(dims: Sequence[tuple[str, int]], devices: int, num_clients
         )
 
 
+def check_cluster(num_clients: int, client_id: int, jobs: Sequence[str] | None, jobs_from: str = "--jobs") -> None:
+    """A multi-client cluster that holds together: MeshError naming the flag otherwise. The one
+    check of these settings, for the flags, DTENSOR_* variables and TrainConfig alike. `jobs` None:
+    not known yet (a launcher checking the flags it will hand its clients)."""
+    if num_clients < 1:
+        raise MeshError(f"--num-clients must be at least 1, got {num_clients}")
+    if jobs is None:
+        jobs = ()
+    elif num_clients > 1 and not jobs:
+        raise MeshError(
+            f"--num-clients {num_clients} needs --jobs host:port,... (one per client) or DTENSOR_JOBS; "
+            f"or use --launch-local {num_clients} to run them all on this machine"
+        )
+    if jobs and len(jobs) != num_clients:
+        raise MeshError(f"{jobs_from} lists {len(jobs)} client(s) but --num-clients is {num_clients}; they must match")
+    if not 0 <= client_id < num_clients:
+        raise MeshError(f"--client-id must be in 0..{num_clients - 1}, got {client_id}")
+
+
 def parse_jobs(text: str, source: str = "--jobs") -> tuple[str, ...]:
     """`host:port,host:port` -> the clients' addresses, in client order."""
     jobs = tuple(part.strip() for part in text.split(",") if part.strip())

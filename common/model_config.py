@@ -53,3 +53,23 @@ class ModelConfig:
             "dense2_kernel": (self.hidden, NUM_CLASSES),
             "dense2_bias": (NUM_CLASSES,),
         }
+
+
+@dataclass(frozen=True)
+class VectorizerSettings:
+    """How text becomes features (saved in vocabulary.json with the vocabulary)."""
+
+    ngrams: int = 2
+    """Longest n-gram: 1 unigrams only, 2 unigrams and bigrams, ..."""
+    sublinear_tf: bool = True
+    """Use 1 + ln(count) instead of the raw count (a word said ten times is not ten times the evidence)."""
+    normalize: bool = True
+    """Scale every row to unit L2 norm (long and short reviews weigh the same)."""
+    min_df: int = 2
+    """Keep n-grams that occur in at least this many training texts."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ngrams <= 5:
+            raise ValueError(f"--ngrams must be in 1..5, got {self.ngrams}")
+        if self.min_df < 1:
+            raise ValueError(f"--min-df must be at least 1, got {self.min_df}")

@@ -17,13 +17,13 @@ from __future__ import annotations
 import collections
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from common.model_config import VectorizerSettings
 from common.run_dir import atomic_write_text
 
 VOCABULARY_FILE = "vocabulary.json"
@@ -33,26 +33,6 @@ WIDTH_MULTIPLE = 8
 _BREAK = r"<[bB][rR]\s*/?>"  # IMDB keeps the site's line breaks as HTML
 _APOSTROPHE = r"'"  # don't -> dont (one token)
 _PUNCTUATION = r'[!"#$%&()*+,\-./:;<=>?@\[\\\]^_`{|}~]'  # the rest separates words
-
-
-@dataclass(frozen=True)
-class VectorizerSettings:
-    """How text becomes features (saved in vocabulary.json with the vocabulary)."""
-
-    ngrams: int = 2
-    """Longest n-gram: 1 unigrams only, 2 unigrams and bigrams, ..."""
-    sublinear_tf: bool = True
-    """Use 1 + ln(count) instead of the raw count (a word said ten times is not ten times the evidence)."""
-    normalize: bool = True
-    """Scale every row to unit L2 norm (long and short reviews weigh the same)."""
-    min_df: int = 2
-    """Keep n-grams that occur in at least this many training texts."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.ngrams <= 5:
-            raise ValueError(f"--ngrams must be in 1..5, got {self.ngrams}")
-        if self.min_df < 1:
-            raise ValueError(f"--min-df must be at least 1, got {self.min_df}")
 
 
 def standardize(texts: tf.Tensor) -> tf.Tensor:

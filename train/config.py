@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from common.cli import option
-from common.mesh_spec import STRATEGIES, MeshDims, resolve_mesh_dims
-from common.model_config import ModelConfig
+from common.mesh_spec import STRATEGIES, MeshDims, check_cluster, parse_jobs, resolve_mesh_dims
+from common.model_config import ModelConfig, VectorizerSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,8 +77,7 @@ class TrainConfig:
     jobs: str | None = option(None, "comma-separated host:port of every client (DTENSOR_JOBS)")
 
     def __post_init__(self) -> None:
-        positive = ("devices", "epochs", "batch_size", "keep_checkpoints", "num_clients", "steps_per_call",
-                    "max_tokens", "min_df", "hidden")
+        positive = ("devices", "epochs", "batch_size", "keep_checkpoints", "steps_per_call", "max_tokens", "hidden")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -90,17 +89,17 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if not 0 <= self.validation_fraction < 1:
             raise ValueError(f"--validation-fraction must be in [0, 1), got {self.validation_fraction}")
-        if not 1 <= self.ngrams <= 5:
-            raise ValueError(f"--ngrams must be in 1..5, got {self.ngrams}")
         if self.patience < 0:
             raise ValueError(f"--patience must not be negative, got {self.patience}")
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
-        if not 0 <= self.client_id < self.num_clients:
-            raise ValueError(f"--client-id must be in 0..{self.num_clients - 1}, got {self.client_id}")
-        ModelConfig(max_tokens=8, hidden=self.hidden, bn_momentum=self.bn_momentum)  # validates the rest
+        check_cluster(self.num_clients, self.client_id, parse_jobs(self.jobs) if self.jobs else None)
+        # the model's and the vectorizer's settings are checked where they are defined
+        ModelConfig(max_tokens=8, hidden=self.hidden, bn_momentum=self.bn_momentum)
+        VectorizerSettings(ngrams=self.ngrams, sublinear_tf=self.sublinear_tf, normalize=self.normalize,
+                           min_df=self.min_df)
 
     def mesh_dims(self) -> MeshDims:
         """The mesh's dimensions: --mesh, or --strategy (feature for one process; data, which gives

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Mapping, Sequence
 
-from common.mesh_spec import ENV_CLIENT_ID, ENV_JOBS, MeshError, parse_jobs
+from common.mesh_spec import ENV_CLIENT_ID, ENV_JOBS, MeshError, check_cluster, parse_jobs
 
 log = logging.getLogger(__name__)
 
@@ -68,19 +68,10 @@ def resolve_cluster(
     if num_clients is None:
         num_clients = len(job_list) or 1
     client_id = 0 if client_id is None else client_id
-    if num_clients < 1:
-        raise ClusterError(f"--num-clients must be at least 1, got {num_clients}")
-    if num_clients > 1 and not job_list:
-        raise ClusterError(
-            f"--num-clients {num_clients} needs --jobs host:port,... (one per client) or {ENV_JOBS}; "
-            f"or use --launch-local {num_clients} to run them all on this machine"
-        )
-    if job_list and len(job_list) != num_clients:
-        raise ClusterError(
-            f"{jobs_from} lists {len(job_list)} client(s) but --num-clients is {num_clients}; they must match"
-        )
-    if not 0 <= client_id < num_clients:
-        raise ClusterError(f"--client-id must be in 0..{num_clients - 1}, got {client_id}")
+    try:
+        check_cluster(num_clients, client_id, job_list, jobs_from)
+    except MeshError as exc:
+        raise ClusterError(str(exc)) from None
     return Cluster(num_clients, client_id, job_list if num_clients > 1 else ())
 
 
