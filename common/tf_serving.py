@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-PREDICT_METHOD = "tensorflow/serving/predict"
 CLASSIFY_METHOD = "tensorflow/serving/classify"
 REGRESS_METHOD = "tensorflow/serving/regress"
 DEFAULT_SIGNATURE = "serving_default"

@@ -126,7 +126,7 @@ class _Worker:
                 await asyncio.sleep(0.05)
             serving = self._serve_rest()
         if self.config.grpc_port and not self.server.should_exit:
-            from serve.grpc.server import GrpcServer
+            from serve.grpc.servicer import GrpcServer
 
             self.grpc_server = await GrpcServer(self.config, self.core, reuse_port=self.index is not None).start()
         return serving

@@ -123,14 +123,15 @@ def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
              ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names), mesh.num_local_devices() * config.num_clients,
              mesh.device_type(), len(vectorizer.vocabulary), model_config.max_tokens,
              len(splits.train.texts) // config.batch_size, config.batch_size)
+    run = _Run(config, run_dir, state, batches, store, report)
     try:
         with _stop_on_signals() as stop:
             while not _finished(progress, config):
-                if _train_epoch(state, batches, splits.train, progress, config, stop, store, report):
-                    _end_epoch(state, batches, splits.validation, progress, config, store, report)
+                if _train_epoch(run, splits.train, progress, stop):
+                    _end_epoch(run, splits.validation, progress)
                 else:
-                    _save(state, store, progress)  # stopped mid-epoch by --max-steps
-        return _test(state, batches, splits.test, progress, store, report, run_dir)
+                    _save(run, progress)  # stopped mid-epoch by --max-steps
+        return _test(run, splits.test, progress)
     finally:
         report.close()
 
@@ -207,22 +208,33 @@ def _finished(progress: TrainProgress, config: TrainConfig) -> bool:
     return progress.epoch >= config.epochs
 
 
-def _train_epoch(state: TrainState, batches: Batches, split: Split, progress: TrainProgress, config: TrainConfig,
-                 stop: threading.Event, store: CheckpointStore, report: Report) -> bool:
+@dataclass(frozen=True)
+class _Run:
+    """What every part of a training run works with (the loop's progress travels apart)."""
+
+    config: TrainConfig
+    run_dir: Path
+    state: TrainState
+    batches: Batches
+    store: CheckpointStore
+    report: Report
+
+
+def _train_epoch(run: _Run, split: Split, progress: TrainProgress, stop: threading.Event) -> bool:
     """Train (the rest of) the current epoch; True when it finished, False when --max-steps cut it."""
-    G = config.batch_size
+    G = run.config.batch_size
     steps_per_epoch = len(split.texts) // G
     start_batch = progress.examples_in_epoch // G
-    rows = epoch_order(len(split.texts), config.seed, progress.epoch)[start_batch * G : steps_per_epoch * G]
+    rows = epoch_order(len(split.texts), run.config.seed, progress.epoch)[start_batch * G : steps_per_epoch * G]
     todo = len(rows) // G
-    if config.max_steps is not None:
-        todo = min(todo, config.max_steps - progress.step)
-    iterator = batches.training(split, rows[: todo * G])
-    bar = report.bar(steps_per_epoch, start_batch, f"epoch {progress.epoch + 1}/{config.epochs}")
+    if run.config.max_steps is not None:
+        todo = min(todo, run.config.max_steps - progress.step)
+    iterator = run.batches.training(split, rows[: todo * G])
+    bar = run.report.bar(steps_per_epoch, start_batch, f"epoch {progress.epoch + 1}/{run.config.epochs}")
     started = time.perf_counter()
     try:
-        for num_steps in chunks(todo, config.steps_per_call):
-            losses, accuracies = _sum_steps(state.train_step, iterator, num_steps)
+        for num_steps in chunks(todo, run.config.steps_per_call):
+            losses, accuracies = _sum_steps(run.state.train_step, iterator, num_steps)
             previous = progress.step
             progress.step += num_steps
             progress.examples_in_epoch += num_steps * G
@@ -233,13 +245,13 @@ def _train_epoch(state: TrainState, batches: Batches, split: Split, progress: Tr
             if bar is not None:
                 bar.update(num_steps)
                 bar.set_postfix(loss=f"{progress.epoch_loss_sum / progress.epoch_steps:.4f}", refresh=False)
-            if stop_agreed(state.mesh, config, stop.is_set()):
+            if stop_agreed(run.state.mesh, run.config, stop.is_set()):
                 progress.epoch_seconds += elapsed
-                _save(state, store, progress)
+                _save(run, progress)
                 raise TrainingInterrupted(stop.signum or signal.SIGTERM, progress.step)  # type: ignore[attr-defined]
-            every = config.checkpoint_every
+            every = run.config.checkpoint_every
             if every and progress.step // every > previous // every:
-                _save(state, store, dataclasses.replace(progress, epoch_seconds=progress.epoch_seconds + elapsed))
+                _save(run, dataclasses.replace(progress, epoch_seconds=progress.epoch_seconds + elapsed))
     finally:
         if bar is not None:
             bar.close()
@@ -247,8 +259,7 @@ def _train_epoch(state: TrainState, batches: Batches, split: Split, progress: Tr
     return progress.examples_in_epoch >= steps_per_epoch * G
 
 
-def _end_epoch(state: TrainState, batches: Batches, validation: Split | None, progress: TrainProgress, config: TrainConfig,
-               store: CheckpointStore, report: Report) -> None:
+def _end_epoch(run: _Run, validation: Split | None, progress: TrainProgress) -> None:
     """Validation, model selection, the metrics line, the checkpoint (in that order: a crash before the
     checkpoint drops the line on resume, and the epoch is recorded once when it is run again)."""
     steps = max(progress.epoch_steps, 1)
@@ -257,12 +268,12 @@ def _end_epoch(state: TrainState, batches: Batches, validation: Split | None, pr
         "step": progress.step,
         "train_loss": progress.epoch_loss_sum / steps,
         "train_accuracy": progress.epoch_accuracy_sum / steps,
-        "examples_per_second": steps * config.batch_size / progress.epoch_seconds if progress.epoch_seconds else None,
+        "examples_per_second": steps * run.config.batch_size / progress.epoch_seconds if progress.epoch_seconds else None,
         "time": time.time(),
     }
     best = None
     if validation is not None:
-        loss, accuracy = evaluate(state, batches, validation)
+        loss, accuracy = evaluate(run.state, run.batches, validation)
         record.update(validation_loss=loss, validation_accuracy=accuracy)
         improved = accuracy > progress.best_accuracy or (
             accuracy == progress.best_accuracy and loss < progress.best_loss)
@@ -275,17 +286,17 @@ def _end_epoch(state: TrainState, batches: Batches, validation: Split | None, pr
             progress.since_best += 1
         record["best"] = improved
     progress.start_epoch()
-    report.epoch(record, config.learning_rate)
-    _save(state, store, progress, best)
-    if validation is not None and config.patience and progress.since_best >= config.patience \
-            and progress.epoch < config.epochs:
-        log.info("stopping early: no better validation accuracy for %d epoch(s); best %s", config.patience,
+    run.report.epoch(record, run.config.learning_rate)
+    _save(run, progress, best)
+    if validation is not None and run.config.patience and progress.since_best >= run.config.patience \
+            and progress.epoch < run.config.epochs:
+        log.info("stopping early: no better validation accuracy for %d epoch(s); best %s", run.config.patience,
                  checkpoint_name(progress.best_step))
 
 
-def _save(state: TrainState, store: CheckpointStore, progress: TrainProgress, best: dict | None = None) -> None:
-    state.progress.write(progress)
-    store.save(progress.step, best)
+def _save(run: _Run, progress: TrainProgress, best: dict | None = None) -> None:
+    run.state.progress.write(progress)
+    run.store.save(progress.step, best)
 
 
 def evaluate(state: TrainState, batches: Batches, split: Split) -> tuple[float, float]:
@@ -307,24 +318,24 @@ def _sum_steps(step, iterator: Iterator, num_steps: int | None) -> tuple[tf.Tens
     return first, second
 
 
-def _test(state: TrainState, batches: Batches, test: Split, progress: TrainProgress, store: CheckpointStore, report: Report,
-          run_dir: Path) -> TrainResult:
+def _test(run: _Run, test: Split, progress: TrainProgress) -> TrainResult:
     """The test split, once, on the best checkpoint (the latest without a validation split)."""
-    best = read_best(run_dir)
-    checkpoint = best["checkpoint"] if best else Path(store.latest()).name
-    done = read_test(run_dir)
+    best = read_best(run.run_dir)
+    checkpoint = best["checkpoint"] if best else Path(run.store.latest()).name
+    done = read_test(run.run_dir)
     if done is not None and done["checkpoint"] == checkpoint:
         loss, accuracy = done["test_loss"], done["test_accuracy"]  # a finished run asked again
     else:
         if best:
-            restore_checkpoint(tf.train.Checkpoint(model=state.model), checkpoint_path(run_dir, checkpoint), partial=True)
-        loss, accuracy = evaluate(state, batches, test)
-        if store.chief:
-            atomic_write_json(run_dir / TEST_FILE, {"checkpoint": checkpoint, "test_loss": loss,
-                                                    "test_accuracy": accuracy, "examples": len(test.texts)})
-        report.test(progress.step, loss, accuracy, checkpoint)
-    return TrainResult(run_dir, progress.step, progress.epoch, checkpoint,
-                       best.get("validation_accuracy") if best else None, loss, accuracy, report.history)
+            model_only = tf.train.Checkpoint(model=run.state.model)
+            restore_checkpoint(model_only, checkpoint_path(run.run_dir, checkpoint), partial=True)
+        loss, accuracy = evaluate(run.state, run.batches, test)
+        if run.store.chief:
+            atomic_write_json(run.run_dir / TEST_FILE, {"checkpoint": checkpoint, "test_loss": loss,
+                                                        "test_accuracy": accuracy, "examples": len(test.texts)})
+        run.report.test(progress.step, loss, accuracy, checkpoint)
+    return TrainResult(run.run_dir, progress.step, progress.epoch, checkpoint,
+                       best.get("validation_accuracy") if best else None, loss, accuracy, run.report.history)
 
 
 # -- signals and the mesh ------------------------------------------------------------------------
