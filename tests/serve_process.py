@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -51,7 +53,10 @@ class ServerProcess:
             grpc_port = free_port()
             self.grpc_target = f"127.0.0.1:{grpc_port}"
             args = ("--grpc-port", str(grpc_port), *args)
-        self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-{self.port}.log"
+        # without a log_path: a private directory, removed with the server (its text stays readable)
+        self._own_dir = None if log_path else Path(tempfile.mkdtemp(prefix="serve-"))
+        self._final_log: str | None = None
+        self.log_path = log_path or self._own_dir / "serve.log"
         self._log = open(self.log_path, "wb")
         # As a user would start it: the server keeps TensorFlow's C++ lines out of its log itself.
         env = {**{k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}, "PYTHONUNBUFFERED": "1"}
@@ -97,10 +102,15 @@ class ServerProcess:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
         return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
 
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")[-5000:]
+    def log(self, full: bool = False) -> str:
+        """The server's output so far (its last 5,000 characters unless `full`), also after stop()."""
+        if self._final_log is not None:
+            text = self._final_log
+        else:
+            if not self._log.closed:
+                self._log.flush()
+            text = self.log_path.read_text(errors="replace")
+        return text if full else text[-5000:]
 
     def terminate(self) -> None:
         if self.proc.poll() is None:
@@ -115,6 +125,9 @@ class ServerProcess:
             return self.proc.wait()
         finally:
             self._log.close()
+            if self._own_dir is not None:
+                self._final_log = self.log_path.read_text(errors="replace")
+                shutil.rmtree(self._own_dir, ignore_errors=True)
 
 
 class HealthProbe:

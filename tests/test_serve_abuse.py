@@ -36,7 +36,7 @@ def server(model_base, tmp_path_factory):
     requests.post(srv.url + PREDICT, json={"instances": ["warm up the model"]}, timeout=30)
     yield srv
     assert srv.stop() == 0, srv.log()
-    assert "Traceback" not in srv.log_path.read_text()
+    assert "Traceback" not in srv.log(full=True)
 
 
 def settled_rss(srv: ServerProcess, below: float, timeout: float = 3.0) -> float:

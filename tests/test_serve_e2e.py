@@ -23,7 +23,7 @@ def server(model_base):
     srv = ServerProcess(model_base, "--poll-interval", "0", "--batch-timeout-ms", "5", "--max-body-bytes", "100000")
     yield srv
     assert srv.stop() == 0, srv.log()
-    log = srv.log_path.read_text()
+    log = srv.log(full=True)
     assert not CPP_LOG.search(log), log[:3000]  # no TensorFlow C++ lines in a server's log by default
 
 

@@ -41,7 +41,7 @@ def server(model_base, tmp_path_factory):
 
 
 def _clean_log(srv: ServerProcess) -> None:
-    log = srv.log_path.read_text()
+    log = srv.log(full=True)
     assert "Traceback" not in log and "unhandled error" not in log, log[-5000:]
 
 

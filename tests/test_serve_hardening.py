@@ -260,7 +260,7 @@ def test_sigterm_under_keep_alive_load_answers_every_request_it_received(model_b
     for t in threads:
         t.join(10)
     srv.stop()
-    log = srv.log_path.read_text()
+    log = srv.log(full=True)
     assert code == 0 and drain_s < 5, log[-3000:]
     match = re.search(r"shut down cleanly: (\d+) HTTP request\(s\) received, (\d+) answered", log)
     assert match, log[-3000:]
@@ -327,5 +327,5 @@ def test_workers_share_the_port_restart_when_killed_and_drain_together(model_bas
         assert stub.Predict(request, timeout=30).outputs["label"].string_val[0] in (b"negative", b"positive")
     finally:
         code = srv.stop()
-    assert code == 0, srv.log_path.read_text()[-3000:]
-    assert "all 2 workers shut down cleanly" in srv.log_path.read_text()
+    assert code == 0, srv.log(full=True)[-3000:]
+    assert "all 2 workers shut down cleanly" in srv.log(full=True)
