@@ -36,7 +36,7 @@ from tensorflow_serving.apis import (
 from common.tf_serving import REGRESS_METHOD
 from serve.config import ServeConfig
 from serve.core import memory
-from serve.core.dataplane import CLASSIFY_FEATURES, VALUES_PER_ROW, ServingCore, check_declared_shape, check_rows
+from serve.core.dataplane import CLASSIFY_FEATURES, ServingCore, check_declared_shape, check_rows
 from serve.core.errors import InvalidArgument, ServingError
 from serve.core.loaded_model import LoadedModel
 from serve.grpc.tensors import from_tensor_proto, to_tensor_proto
@@ -88,9 +88,10 @@ class GrpcApi:
                 raise InvalidArgument(f"output tensor alias not found in signature: {name}")
         inputs = {}
         for name, proto in request.inputs.items():
-            if not proto.tensor_shape.unknown_rank:  # before anything is decoded
-                check_declared_shape(signature, name, [d.size for d in proto.tensor_shape.dim], self.config)
-            inputs[name] = from_tensor_proto(proto, f"input {name!r}", self.config.max_rows_per_request * VALUES_PER_ROW)
+            if proto.tensor_shape.unknown_rank:
+                raise InvalidArgument(f"input {name!r}: the tensor shape must be known (unknown_rank is set)")
+            check_declared_shape(signature, name, [d.size for d in proto.tensor_shape.dim], self.config)
+            inputs[name] = from_tensor_proto(proto, f"input {name!r}")  # after the shape check: bounded
         outputs = await self.core.predict(model, signature_name, inputs, timeout_s=self._timeout(context))
         response = predict_pb2.PredictResponse()
         _fill_spec(response.model_spec, spec.name, model, signature_name)

@@ -21,25 +21,17 @@ _VALUE_FIELDS = {
     "DT_INT64": "int64_val", "DT_UINT64": "uint64_val", "DT_BOOL": "bool_val", "DT_HALF": "half_val",
 }
 
-_MAX_DIMS = 32
-
-
-def from_tensor_proto(proto: Any, where: str, max_values: int) -> np.ndarray:
+def from_tensor_proto(proto: Any, where: str) -> np.ndarray:
     """A TensorProto -> numpy, refusing any tensor whose declared shape disagrees with its values.
 
-    `max_values` bounds the declared element count before anything is decoded.
+    The declared shape itself (known rank, sizes, element count) is checked by the core first
+    (`check_declared_shape`), so nothing here allocates more than the limits allow.
     """
     from tensorflow.core.framework import types_pb2
 
     dtype = types_pb2.DataType.Name(proto.dtype) if proto.dtype in types_pb2.DataType.values() else str(proto.dtype)
-    if proto.tensor_shape.unknown_rank:
-        raise InvalidArgument(f"{where}: the tensor shape must be known (unknown_rank is set)")
     dims = [d.size for d in proto.tensor_shape.dim]
-    if len(dims) > _MAX_DIMS or any(d < 0 for d in dims):
-        raise InvalidArgument(f"{where}: invalid tensor shape {dims}")
     count = math.prod(dims)
-    if count > max_values:
-        raise InvalidArgument(f"{where}: the tensor shape {dims} declares {count} values, more than the limit of {max_values}")
     if dtype == "DT_STRING":
         values = proto.string_val
         if len(values) != count:
