@@ -208,7 +208,7 @@ def test_grpc_declared_shape_is_checked_before_anything_is_allocated(server):
 def test_grpc_garbage_and_unimplemented_methods_get_a_code_and_one_log_line(server):
     channel = grpc.insecure_channel(server.grpc_target)
     cases = [("/tensorflow.serving.PredictionService/Predict", b"\xff\xff\xff\x01garbage", grpc.StatusCode.INVALID_ARGUMENT),
-             ("/tensorflow.serving.ModelService/HandleReloadConfigRequest", b"", grpc.StatusCode.UNIMPLEMENTED),
+             ("/tensorflow.serving.SessionService/SessionRun", b"", grpc.StatusCode.UNIMPLEMENTED),
              ("/no.such.Service/Method", b"", grpc.StatusCode.UNIMPLEMENTED)]
     for method, payload, code in cases:
         with pytest.raises(grpc.RpcError) as info:
@@ -217,7 +217,7 @@ def test_grpc_garbage_and_unimplemented_methods_get_a_code_and_one_log_line(serv
     log = server.log()
     assert "Traceback" not in log
     assert "gRPC predict: undecodable request (11 bytes)" in log
-    assert "HandleReloadConfigRequest: not implemented by this server" in log
+    assert "SessionRun: not implemented by this server" in log
 
 
 # -- SIGTERM under keep-alive load ------------------------------------------------------------------

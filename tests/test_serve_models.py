@@ -143,3 +143,34 @@ def test_model_dir_and_config_file_exclude_each_other(tmp_path):
     out = subprocess.run([sys.executable, "-m", "serve", "--model-config-file", "x.config", "--model-dir", "m"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--model-dir: not with --model-config-file" in out.stderr, out.stderr
+
+
+def test_grpc_reload_config_replaces_the_models(bases, tmp_path):
+    """ModelService.HandleReloadConfigRequest with the official stub: the same validation and
+    behaviour as a change of the file."""
+    from google.protobuf import text_format
+    from tensorflow_serving.apis import model_management_pb2
+    from tensorflow_serving.config import model_server_config_pb2
+
+    config = tmp_path / "models.config"
+    write_config(config, f'model_config_list {{ config {{ name: "alpha" base_path: "{bases["alpha"]}" }} }}')
+    srv = ServerProcess(Path("unused"), "--poll-interval", "0.2", grpc=True, log_path=tmp_path / "serve.log",
+                        model_args=("--model-config-file", str(config)))
+    try:
+        stub = model_service_pb2_grpc.ModelServiceStub(grpc.insecure_channel(srv.grpc_target))
+        wanted = model_server_config_pb2.ModelServerConfig()
+        text_format.Parse(f'model_config_list {{ config {{ name: "gamma" base_path: "{bases["gamma"]}" }} }}', wanted)
+        response = stub.HandleReloadConfigRequest(model_management_pb2.ReloadConfigRequest(config=wanted), timeout=30)
+        assert response.status.error_code == 0, response
+        end = time.monotonic() + 60
+        while model_list(srv) != {"gamma": [("1", "AVAILABLE")]}:
+            assert time.monotonic() < end, model_list(srv)
+            time.sleep(0.1)
+        assert predict(srv, "gamma").status_code == 200 and predict(srv, "alpha").status_code == 404
+        with pytest.raises(grpc.RpcError) as info:  # an unusable config changes nothing
+            stub.HandleReloadConfigRequest(model_management_pb2.ReloadConfigRequest(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == "ReloadConfigRequest.config: model_config_list has no config entries"
+        assert model_list(srv) == {"gamma": [("1", "AVAILABLE")]}
+    finally:
+        assert srv.stop() == 0, srv.log()

@@ -45,11 +45,17 @@ def read_model_config(path: str | Path) -> list[ModelSource]:
     except text_format.ParseError as exc:
         message = str(exc).split(" : ", 1)[-1]
         raise ModelConfigError(f"{path} line {exc.GetLine()}, column {exc.GetColumn()}: {message}") from None
+    return sources_from_config(config, str(path))
+
+
+def sources_from_config(config, origin: str) -> list[ModelSource]:  # noqa: ANN001 - a ModelServerConfig
+    """The models of a ModelServerConfig (from the file, or gRPC's HandleReloadConfigRequest);
+    ModelConfigError naming `origin` and the entry when one is unusable."""
     if config.WhichOneof("config") == "custom_model_config":
-        raise ModelConfigError(f"{path}: custom_model_config is not supported; use model_config_list")
+        raise ModelConfigError(f"{origin}: custom_model_config is not supported; use model_config_list")
     sources: list[ModelSource] = []
     for i, entry in enumerate(config.model_config_list.config):
-        where = f"{path}: model_config_list.config[{i}]"
+        where = f"{origin}: model_config_list.config[{i}]"
         if not entry.name:
             raise ModelConfigError(f"{where}: 'name' is required")
         if not entry.base_path:
@@ -61,7 +67,7 @@ def read_model_config(path: str | Path) -> list[ModelSource]:
             raise ModelConfigError(f"{where}: model name {entry.name!r} appears twice")
         sources.append(_source(entry, where))
     if not sources:
-        raise ModelConfigError(f"{path}: model_config_list has no config entries")
+        raise ModelConfigError(f"{origin}: model_config_list has no config entries")
     return sources
 
 

@@ -1,7 +1,7 @@
 """The gRPC edge: TF Serving's `PredictionService` and `ModelService` on grpc.aio, sharing the core.
 
 Clients use the stubs of `tensorflow-serving-api` unchanged (`PredictionServiceStub.Predict`,
-`Classify`, `GetModelMetadata`; `ModelServiceStub.GetModelStatus`). Handlers run on the same
+`Classify`, `GetModelMetadata`; `ModelServiceStub.GetModelStatus`, `HandleReloadConfigRequest`). Handlers run on the same
 event loop, core, batcher and model versions as the REST edge; they decode protos into plain
 values, the core validates, and neutral errors become the `grpc.StatusCode` of the same name.
 
@@ -29,6 +29,7 @@ from tensorflow_serving.apis import (
     classification_pb2,
     get_model_metadata_pb2,
     get_model_status_pb2,
+    model_management_pb2,
     predict_pb2,
     regression_pb2,
 )
@@ -36,9 +37,15 @@ from tensorflow_serving.apis import (
 from common.tf_serving import REGRESS_METHOD
 from serve.config import ServeConfig
 from serve.core import memory
-from serve.core.dataplane import CLASSIFY_FEATURES, ServingCore, check_declared_shape, check_rows
+from serve.core.dataplane import (
+    CLASSIFY_FEATURES,
+    ServingCore,
+    check_declared_shape,
+    check_rows,
+)
 from serve.core.errors import InvalidArgument, ServingError
 from serve.core.loaded_model import LoadedModel
+from serve.core.model_config_file import ModelConfigError, sources_from_config
 from serve.grpc.tensors import from_tensor_proto, to_tensor_proto
 
 log = logging.getLogger(__name__)
@@ -154,6 +161,17 @@ class GrpcApi:
             status.status.error_message = s.error_message
         return response
 
+    async def handle_reload_config(self, request: model_management_pb2.ReloadConfigRequest, _context):
+        """Replace the served models with the request's ModelServerConfig, as a change of
+        --model-config-file would: the same validation, new models load while the others serve."""
+        try:
+            sources = sources_from_config(request.config, "ReloadConfigRequest.config")
+        except ModelConfigError as exc:
+            raise InvalidArgument(str(exc)) from None
+        log.info("gRPC ReloadConfig: serving %s", ", ".join(s.name for s in sources))
+        await self.core.apply_sources(sources)
+        return model_management_pb2.ReloadConfigResponse()  # status: error_code OK
+
     # -- plumbing ----------------------------------------------------------------------------------
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
@@ -167,6 +185,8 @@ class GrpcApi:
             },
             MODEL_SERVICE: {
                 "GetModelStatus": ("status", get_model_status_pb2.GetModelStatusRequest, self.get_model_status),
+                "HandleReloadConfigRequest": ("reload_config", model_management_pb2.ReloadConfigRequest,
+                                              self.handle_reload_config),
             },
         }
         out = [
