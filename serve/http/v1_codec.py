@@ -297,12 +297,7 @@ def parse_classify(body: Mapping[str, Any], max_rows: int) -> tuple[str, list[di
     from tensorflow.core.example import feature_pb2  # TensorFlow is loaded with the model by now
 
     name = signature_name(body, default="")
-    examples = body.get("examples")
-    if examples is None:
-        raise InvalidArgument("Missing 'examples' key")
-    if not isinstance(examples, list):
-        raise InvalidArgument(f"'examples' must be a list of objects, got {describe(examples)}")
-    check_rows(len(examples), max_rows)
+    examples = _rows(body, "examples", "Missing 'examples' key", "objects", max_rows)
     context = body.get("context", {})
     if not isinstance(context, dict):
         raise InvalidArgument("'context' must be an object of features")
@@ -322,6 +317,17 @@ def parse_classify(body: Mapping[str, Any], max_rows: int) -> tuple[str, list[di
     return name, rows, features(context, "context")
 
 
+def _rows(body: Mapping[str, Any], key: str, missing: str, items: str, max_rows: int) -> list:
+    """The list of rows under `key`, its length checked before any row is looked at."""
+    value = body.get(key)
+    if value is None:
+        raise InvalidArgument(missing)
+    if not isinstance(value, list):
+        raise InvalidArgument(f"'{key}' must be a list of {items}, got {describe(value)}")
+    check_rows(len(value), max_rows)
+    return value
+
+
 def format_classify(classes: np.ndarray, scores: np.ndarray) -> dict[str, Any]:
     results = []
     for row_classes, row_scores in zip(classes.tolist(), scores):  # scores stay float32 (see dumps)
@@ -334,12 +340,7 @@ def format_classify(classes: np.ndarray, scores: np.ndarray) -> dict[str, Any]:
 
 def parse_sentiment(body: Mapping[str, Any], max_rows: int) -> list[bytes]:
     """`{"texts": ["...", ...]}` -> UTF-8 texts (checked by the core)."""
-    texts = body.get("texts")
-    if texts is None:
-        raise InvalidArgument("Missing 'texts' key: expected {\"texts\": [\"review\", ...]}")
-    if not isinstance(texts, list):
-        raise InvalidArgument(f"'texts' must be a list of strings, got {describe(texts)}")
-    check_rows(len(texts), max_rows)
+    texts = _rows(body, "texts", "Missing 'texts' key: expected {\"texts\": [\"review\", ...]}", "strings", max_rows)
     out = []
     for i, text in enumerate(texts):
         if not isinstance(text, str):
