@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from common.cli import option
+from common.versions import version_number
 
 VersionPolicy = Literal["latest", "all", "specific"]
 EXIT_OK, EXIT_ABANDONED, EXIT_STARTUP = 0, 1, 2
@@ -18,11 +19,11 @@ DEFAULT_MODEL_DIR = "models/sentiment"
 
 
 def parse_versions(text: str) -> tuple[int, ...]:
-    """`1,2` -> (1, 2)."""
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"expected version numbers such as 1,2, got {text!r}") from None
+    """`1,2` -> (1, 2); versions are read as version directories are (`common.versions`)."""
+    versions = [version_number(v.strip()) for v in text.split(",") if v.strip()]
+    if None in versions:
+        raise ValueError(f"expected version numbers such as 1,2, got {text!r}")
+    return tuple(versions)
 
 
 def parse_labels(text: str) -> tuple[tuple[str, int], ...]:
@@ -30,9 +31,10 @@ def parse_labels(text: str) -> tuple[tuple[str, int], ...]:
     pairs = []
     for item in filter(None, (p.strip() for p in text.split(","))):
         label, sep, version = item.partition("=")
-        if not sep or not version.strip().isdigit() or not label.strip():
+        number = version_number(version.strip())
+        if not sep or number is None or not label.strip():
             raise ValueError(f"expected LABEL=VERSION, got {item!r}")
-        pairs.append((label.strip(), int(version)))
+        pairs.append((label.strip(), number))
     return tuple(pairs)
 
 

@@ -359,3 +359,15 @@ def test_sentiment_decoding_and_validation_errors(body, message):
     with pytest.raises(errors.InvalidArgument, match=message):
         texts = parse_sentiment(body, CONFIG.max_rows_per_request)
         validate_inputs(TEXT_SIG, {"text": np.array(texts, dtype=object)}, CONFIG, lambda _n, i: f"texts[{i}]")
+
+
+@pytest.mark.parametrize("flag, text", [("--versions", "\u00b2"), ("--versions", "\u0661\u0662"), ("--versions", "-1"),
+                                        ("--version-labels", "stable=\u00b2"), ("--version-labels", "stable=99999999999999999999")])
+def test_version_flags_take_versions_as_directories_name_them(flag, text, capsys):
+    from serve.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--model-dir", "models/sentiment", flag, text, *(["--version-policy", "specific"] if flag == "--versions" else [])])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("expected version numbers such as 1,2" if flag == "--versions" else "expected LABEL=VERSION") in err, err
