@@ -11,10 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import logging
 import time
-
-log = logging.getLogger(__name__)
 
 LARGE_REQUEST_BYTES = 512 * 1024
 MIN_INTERVAL_S = 1.0

@@ -2,9 +2,9 @@
 
 Deliberately framework-free: on this server's hot path every microsecond per request counts (a
 bare ASGI app under uvicorn answered about 2.5x the requests of Starlette on the same machine,
-measured 2026-12-02 with a route that parses a JSON body). Handlers take a `Request` and return a `Response`; they raise `ServingError`s (mapped
-to HTTP with TF Serving's table, `http_server.cc: ToHTTPStatusCode`) or `HttpError`s (HTTP-only
-conditions: 404 route, 405, 413).
+measured 2026-12-02 with a route that parses a JSON body). Handlers take a `Request` and return a
+`Response`; they raise `ServingError`s (mapped to HTTP with TF Serving's table, `http_server.cc:
+ToHTTPStatusCode`) or `HttpError`s (HTTP-only conditions: 404 route, 405, 413).
 """
 
 from __future__ import annotations
