@@ -38,6 +38,7 @@ from common.model import (
     ModelConfig,
     mlp_forward,
     restore_model,
+    row_softmax,
 )
 from common.run_dir import CHECKPOINT_DIR, MODEL_FILE, TMP_PREFIX, RunDirError, clean_leftovers, read_best, read_test
 from common.tf_serving import ASSETS_EXTRA, CLASSIFY_METHOD, CLASSIFY_SIGNATURE, DEFAULT_SIGNATURE, WARMUP_FILE
@@ -90,7 +91,7 @@ class PlainMLP(tf.Module):
 
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
         params = {name: getattr(self, name) for name in PARAMETERS + STATISTICS}
-        return mlp_forward(params, x, epsilon=self.epsilon)
+        return mlp_forward(params, x, epsilon=self.epsilon, row_local=True)
 
 
 class SentimentModel(tf.Module):
@@ -112,7 +113,7 @@ class SentimentModel(tf.Module):
     def serve(self, text: tf.Tensor) -> dict[str, tf.Tensor]:
         logits = self._logits(text)
         return {
-            "probabilities": tf.nn.softmax(logits),
+            "probabilities": row_softmax(logits),
             "logits": logits,
             "label": tf.gather(self.class_names, tf.argmax(logits, axis=1)),
         }
@@ -121,7 +122,7 @@ class SentimentModel(tf.Module):
     def classify(self, inputs: tf.Tensor) -> dict[str, tf.Tensor]:
         """TF Serving's Classify API: serialized tf.train.Example with a bytes feature `text`."""
         features = tf.io.parse_example(inputs, {"text": tf.io.FixedLenFeature([], tf.string, default_value="")})
-        scores = tf.nn.softmax(self._logits(features["text"]))
+        scores = row_softmax(self._logits(features["text"]))
         classes = tf.tile(self.class_names[tf.newaxis, :], [tf.shape(inputs)[0], 1])
         return {"classes": classes, "scores": scores}
 

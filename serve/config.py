@@ -99,10 +99,6 @@ class ServeConfig:
     )
     max_queued_rows: int = option(4096, "rows waiting for the model at most; beyond it requests fail fast (429)")
     num_batch_threads: int = option(1, "model calls running at once")
-    pad_single_row: bool = option(
-        True, "run 1-row model calls as 2 rows so answers are bit-identical batched or not (CPU matmul "
-        "kernels round one row differently)"
-    )
 
     request_timeout_s: float = option(10.0, "per-request deadline for queueing plus the model call, seconds (504)",
                                       flag="--request-timeout", metavar="SECONDS")

@@ -42,10 +42,11 @@ class ServerProcess:
         wait_for: str = "/readyz",
         model_args: tuple[str, ...] | None = None,
         prefix: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         """Start the server and wait until `wait_for` answers 200 (`/healthz`: only until it listens).
         `model_args` replace `--model-dir model_dir` (e.g. `--model-config-file F`); `prefix` runs
-        it under another command (e.g. `setpriv` to drop privileges)."""
+        it under another command (e.g. `setpriv` to drop privileges); `env` is added to the environment."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_target = None
@@ -59,7 +60,8 @@ class ServerProcess:
         self.log_path = log_path or self._own_dir / "serve.log"
         self._log = open(self.log_path, "wb")
         # As a user would start it: the server keeps TensorFlow's C++ lines out of its log itself.
-        env = {**{k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}, "PYTHONUNBUFFERED": "1"}
+        env = {**{k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}, "PYTHONUNBUFFERED": "1",
+               **(env or {})}
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "serve", *(model_args or ("--model-dir", str(model_dir))), "--host", "127.0.0.1",
              "--port", str(self.port), *args],

@@ -73,7 +73,24 @@ def test_metrics_route(server):
 
 # -- concurrency with batching -------------------------------------------------------------------
 
-def test_concurrent_requests_are_batched_and_equal_unbatched(server):
+# The kernels TensorFlow picks for the CPU decide how sums are rounded; the answers must not move
+# with the batch under any of them (TensorFlow's defaults, oneDNN held to AVX2 as on CPUs without
+# AVX-512, and Eigen alone).
+KERNEL_SETTINGS = {"default": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "no-onednn": {"TF_ENABLE_ONEDNN_OPTS": "0"}}
+
+
+@pytest.fixture(scope="module", params=sorted(KERNEL_SETTINGS))
+def kernel_server(request, server, model_base):
+    if request.param == "default":
+        yield server
+        return
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--batch-timeout-ms", "5", env=KERNEL_SETTINGS[request.param])
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_concurrent_requests_are_batched_and_equal_unbatched(kernel_server):
+    server = kernel_server
     session = requests.Session()
     url = f"{server.url}/v1/models/{MODEL_NAME}:predict"
     before = requests.get(server.url + "/monitoring/prometheus/metrics", timeout=10).text

@@ -182,7 +182,7 @@ def test_batcher_expired_requests_never_reach_the_model():
         return await first
 
     assert run_batcher(two, max_batch_size=1, batch_timeout_s=0)["y"].tolist() == [2]
-    assert model.calls == [2]  # only the first (padded to 2 rows)
+    assert model.calls == [1]  # only the first
 
 
 def test_batcher_bad_request_does_not_fail_its_batch_mates():
@@ -222,12 +222,6 @@ def test_batcher_waits_only_for_requests_on_their_way():
     model.calls.clear()
     run_batcher(with_one_arriving, max_batch_size=64, batch_timeout_s=1.0)
     assert model.calls == [2]  # both rows in one call
-
-
-def test_batcher_pads_single_rows_and_returns_one():
-    model = Doubler()
-    out = run_batcher(lambda b: b.submit(model, {"x": np.array([21])}, 5), max_batch_size=8, batch_timeout_s=0)
-    assert model.calls == [2] and out["y"].tolist() == [42]
 
 
 # -- protocol ------------------------------------------------------------------------------------

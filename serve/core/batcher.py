@@ -51,23 +51,20 @@ class Batcher:
         batch_timeout_s: float = 0.002,
         max_queued_rows: int = 4096,
         num_threads: int = 1,
-        pad_single_row: bool = True,
         overloaded: Callable[[str], ServingError],
         on_batch: Callable[[int, int, float], None] | None = None,
     ) -> None:
         """`overloaded(message)` builds the error for a full queue (429 or 503, per config);
         `on_batch(rows, requests, seconds)` is called after every model call (metrics).
 
-        `pad_single_row` runs a 1-row call as 2 rows (the row repeated). CPU matmul kernels for
-        one row (GEMV) round differently from those for several (GEMM); with the pad every
-        response is bit-identical whichever batch it was merged into.
+        Merging requests does not change their answers: the exported model computes each row on
+        its own (`common.model.output_layer`), so no row is padded or reordered here.
         """
         self.max_batch_size = max_batch_size
         self.batch_timeout_s = batch_timeout_s
         self.max_queued_rows = max_queued_rows
         self._overloaded = overloaded
         self._on_batch = on_batch
-        self._pad = pad_single_row
         self._num_threads = num_threads
         self._queue: collections.deque[_Request] = collections.deque()
         self._queued_rows = 0
@@ -205,8 +202,6 @@ class Batcher:
         else:
             merged = {name: np.concatenate([r.inputs[name] for r in batch]) for name in batch[0].inputs}
         rows = sum(r.rows for r in batch)
-        if rows == 1 and self._pad:
-            merged = {name: np.concatenate([value, value]) for name, value in merged.items()}
         start = time.perf_counter()
         try:
             outputs = await self._loop.run_in_executor(self._executor, runner, merged)

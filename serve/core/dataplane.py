@@ -95,7 +95,6 @@ class ServingCore:
             batch_timeout_s=self.config.batch_timeout_s,
             max_queued_rows=self.config.max_queued_rows,
             num_threads=self.config.num_batch_threads,
-            pad_single_row=self.config.pad_single_row,
             overloaded=Overloaded if self.config.overload_status == 429 else Unavailable,
             on_batch=lambda rows, requests, seconds, name=source.name: self.metrics.observe_batch(
                 name, rows, requests, seconds),
