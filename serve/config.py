@@ -109,7 +109,10 @@ class ServeConfig:
                                            parse=parse_origins)
     overload_status: Literal[429, 503] = option(429, "HTTP status of a full queue: 429 or 503")
 
-    drain_timeout_s: float = option(10.0, "on SIGTERM, seconds to finish requests already received",
+    drain_delay_s: float = option(0.0, "on SIGTERM, seconds to keep serving (readiness already failing, every "
+                                  "answer with Connection: close) before the ports close, so that load balancers "
+                                  "and Kubernetes endpoints stop sending first", flag="--drain-delay", metavar="SECONDS")
+    drain_timeout_s: float = option(10.0, "after the ports close, seconds to finish requests already received",
                                     flag="--drain-timeout", metavar="SECONDS")
     warmup: bool = option(True, "replay assets.extra/tf_serving_warmup_requests before a version goes live")
     access_log: bool = option(False, "log one line per request")
@@ -139,7 +142,7 @@ class ServeConfig:
                      "max_rows_per_request", "max_text_bytes", "max_connections", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be at least 1")
-        for name in ("batch_timeout_s", "poll_interval_s", "drain_timeout_s"):
+        for name in ("batch_timeout_s", "poll_interval_s", "drain_delay_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must not be negative")
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):

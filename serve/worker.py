@@ -1,10 +1,11 @@
 """Run the server: the REST app under uvicorn (uvloop + httptools) and gRPC on grpc.aio, one event
 loop and one core per process; `--workers N` runs N such processes on the same ports.
 
-Shutdown on SIGTERM or SIGINT: readiness turns false, the listening sockets close, idle keep-alive
-connections close, every request already received is answered (with `Connection: close`), then
-the process exits 0 - or 1, with a log line, if some request was still running when
-`--drain-timeout` ran out and had to be abandoned.
+Shutdown on SIGTERM or SIGINT: readiness turns false and every answer carries `Connection: close`;
+after `--drain-delay` the listening sockets close (the connections already in their queues are
+accepted first), every request already received or still arriving on an open connection is
+answered, connections idle for a second are closed, then the process exits 0 - or 1, with a log
+line, if some request was still running when `--drain-timeout` ran out and had to be abandoned.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from serve.core.dataplane import ServingCore
 from serve.core.model_config_file import ModelConfigError, config_sources, file_fingerprint, read_model_config
 from serve.http.app import create_app
 from serve.http.connection import ConnectionLimits, protocol_class
+from serve.http.uvicorn_internals import protocol_factory
 
 log = logging.getLogger(__name__)
 
@@ -57,22 +59,53 @@ class _UvicornServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.limits.draining = True
+        queues = [sock.dup() for sock in sockets or []]  # keep each listener open while its queue is taken
         for server in self.servers:
             server.close()
         for sock in sockets or []:
             sock.close()
+        for sock in queues:
+            await self._take_queued_connections(sock)
         state = self.server_state
         for connection in list(state.connections):
             connection.shutdown()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_timeout_s
         while (state.connections or state.tasks) and loop.time() < deadline and not self.force_exit:
+            now = loop.time()
+            for connection in list(state.connections):
+                connection.close_if_idle(now)
             await asyncio.sleep(0.02)
         self.abandoned = len(state.tasks)
         for task in list(state.tasks):
             task.cancel()
         for connection in list(state.connections):
             connection.transport.close()
+
+    async def _take_queued_connections(self, sock: socket.socket) -> None:
+        """Accept the connections the kernel already completed on `sock`, then close it. Closing a
+        listening socket resets the connections in its queue: clients that connected (and maybe
+        sent a request) just before the drain would see a reset instead of an answer."""
+        loop = asyncio.get_running_loop()
+        create_protocol = protocol_factory(self)
+        sock.setblocking(False)
+        taken = 0
+        try:
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    log.warning("drain: accepting queued connections failed: %s", exc)
+                    break
+                conn.setblocking(False)
+                await loop.connect_accepted_socket(create_protocol, conn)
+                taken += 1
+        finally:
+            sock.close()
+        if taken:
+            log.info("drain: %d connection(s) taken from the listening queue", taken)
 
 
 class _Worker:
@@ -94,18 +127,32 @@ class _Worker:
         self.server = _UvicornServer(uconfig, self.limits, config.drain_timeout_s)
         self.grpc_server = None
         self.grpc_stopped: asyncio.Future | None = None
+        self.draining = False
 
     def on_signal(self, signum: int) -> None:
         server = self.server
-        if server.should_exit:
+        if self.draining:
             log.warning("second %s: stopping now", signal.Signals(signum).name)
-            server.force_exit = True
+            server.should_exit = server.force_exit = True
+            self._close_grpc(0)
             return
-        log.info("received %s: draining (up to %gs)", signal.Signals(signum).name, self.config.drain_timeout_s)
-        self.core.begin_drain()
-        server.should_exit = True
-        if self.grpc_server is not None:
-            self.grpc_stopped = asyncio.ensure_future(self.grpc_server.stop(self.config.drain_timeout_s))
+        self.draining = True
+        delay = self.config.drain_delay_s
+        log.info("received %s: draining (%sup to %gs for requests in progress)", signal.Signals(signum).name,
+                 f"ports open {delay:g}s more, then " if delay else "", self.config.drain_timeout_s)
+        self.core.begin_drain()  # readiness fails from now on
+        self.limits.draining = True  # every answer from now on: Connection: close
+        for connection in list(server.server_state.connections):
+            connection.shutdown()
+        asyncio.get_running_loop().call_later(delay, self._close_ports)
+
+    def _close_ports(self) -> None:
+        self.server.should_exit = True  # uvicorn's main loop then runs `_UvicornServer.shutdown`
+        self._close_grpc(self.config.drain_timeout_s)
+
+    def _close_grpc(self, grace_s: float) -> None:
+        if self.grpc_server is not None and self.grpc_stopped is None:
+            self.grpc_stopped = asyncio.ensure_future(self.grpc_server.stop(grace_s))
 
     async def start(self) -> asyncio.Future:
         """Load the models and open the ports; returns the REST server's task."""
@@ -115,17 +162,17 @@ class _Worker:
         # TensorFlow is imported once, here, before the model loaders and the gRPC edge need it: two
         # threads importing it at the same time deadlock in its module locks.
         await asyncio.to_thread(importlib.import_module, "tensorflow")
-        if not self.server.should_exit:
+        if not self.draining:
             await self.core.start()
         if serving is None:
             # One of several workers: join the shared ports only once the model is loaded, so a
             # restarted worker never answers 503 while its siblings are ready.
             loop = asyncio.get_running_loop()
             deadline = loop.time() + WORKER_READY_WAIT_S
-            while not self.core.ready and not self.server.should_exit and loop.time() < deadline:
+            while not self.core.ready and not self.draining and loop.time() < deadline:
                 await asyncio.sleep(0.05)
             serving = self._serve_rest()
-        if self.config.grpc_port and not self.server.should_exit:
+        if self.config.grpc_port and not self.draining:
             from serve.grpc.servicer import GrpcServer
 
             self.grpc_server = await GrpcServer(self.config, self.core, reuse_port=self.index is not None).start()

@@ -12,8 +12,9 @@ What uvicorn (0.55) leaves open, and what this subclass adds:
   `{"error": ...}`, like every other error of this server, not text/plain;
 - every early answer ends with a lingering close (FIN after the response, then read and discard
   until the client closes) so the client reads the answer instead of a connection reset;
-- on drain (SIGTERM), idle keep-alive connections close after one more look for bytes already on
-  their way, and every request already received is answered with `Connection: close`.
+- on drain (SIGTERM), every answer carries `Connection: close`, and a keep-alive connection is closed
+  by the server only once it has been idle for DRAIN_IDLE_S: a client that sends its next request
+  right after an answer gets it answered (with `Connection: close`) instead of a closed socket.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ log = logging.getLogger(__name__)
 
 LINGER_S = 2.0
 """How long a refused connection is read (and discarded) after its answer before it is closed."""
-DRAIN_LOOK_S = 0.05
-"""On drain, how long an idle connection waits for a request already on the wire before closing."""
+DRAIN_IDLE_S = 1.0
+"""On drain, how long a keep-alive connection may stay idle before the server closes it. Closing a
+connection whose client is sending at that moment loses the request (the client sees a reset): a
+client that keeps sending sends well within this, one that stopped is not sending now."""
 MAX_HEADERS = 256
 EVICT_AFTER_S = 1.0
 """At the connection limit, a connection waiting this long without a complete request (an idle
@@ -89,9 +92,9 @@ class HardenedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         limits = self.limits
-        if limits.open >= limits.max_connections and not limits.draining:
+        if limits.open >= limits.max_connections:
             self._evict_a_waiting_connection()
-        if limits.draining or limits.open >= limits.max_connections:
+        if limits.open >= limits.max_connections:
             limits.refused += 1
             self._refuse(503, f"server busy: {limits.open} connections open (limit {limits.max_connections}); "
                               "retry later", retry=True)
@@ -285,20 +288,18 @@ class HardenedHttpProtocol(HttpToolsProtocol):
             log.info("%s: %d %s", "%s:%d" % self.client if self.client else "client", status, message)
 
     def shutdown(self) -> None:
-        """Drain: idle connections close (after a last look for a request on its way); requests
-        already received are answered with Connection: close."""
-        if self._refused or self.transport.is_closing():
-            return
+        """Drain begins: a request in progress is answered with Connection: close (so are later ones:
+        `limits.draining`). An idle connection stays open for its client's next request; the
+        server closes it with `close_if_idle` once it has been idle for DRAIN_IDLE_S."""
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.keep_alive = False
-            return
-        self.loop.call_later(DRAIN_LOOK_S, self._close_if_idle)
 
-    def _close_if_idle(self) -> None:
-        if self._state == _IDLE and not self.pipeline and not self.transport.is_closing():
+    def close_if_idle(self, now: float) -> None:
+        """Close this connection if it has waited DRAIN_IDLE_S for a request that has not begun."""
+        since = self.limits.waiting.get(self)
+        if (since is not None and now - since >= DRAIN_IDLE_S and self._state == _IDLE and not self.pipeline
+                and not self._refused and not self.transport.is_closing()):
             self.transport.close()
-        elif self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False
 
 
 def _body_framing(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:

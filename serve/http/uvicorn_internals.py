@@ -11,8 +11,10 @@ README ("Serving").
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import inspect
+from typing import Callable
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
@@ -29,7 +31,19 @@ CYCLE_ATTRIBUTES = ("keep_alive", "response_complete", "disconnected", "message_
 SERVER_STATE_ATTRIBUTES = ("connections", "tasks", "total_requests", "default_headers")
 SERVER_METHODS = ("capture_signals", "shutdown", "serve")
 """uvicorn.Server methods the worker overrides (signals, drain) or calls."""
-SERVER_ATTRIBUTES = ("servers", "server_state", "force_exit", "should_exit")
+SERVER_ATTRIBUTES = ("servers", "server_state", "force_exit", "should_exit", "config", "lifespan")
+
+
+def protocol_factory(server: uvicorn.Server) -> Callable[[], asyncio.Protocol]:
+    """What `uvicorn.Server.startup` hands to `loop.create_server`: a new connection's protocol (for
+    connections the worker accepts itself, from a listening socket's queue at drain)."""
+    config = server.config
+
+    def create_protocol() -> asyncio.Protocol:
+        return config.http_protocol_class(config=config, server_state=server.server_state,
+                                          app_state=server.lifespan.state)
+
+    return create_protocol
 
 
 def _assigned(cls: type, names: tuple[str, ...]) -> list[str]:
@@ -51,9 +65,12 @@ def problems() -> list[str]:
     found += [f"ServerState.{n} is gone" for n in SERVER_STATE_ATTRIBUTES if not hasattr(state, n)]
     found += [f"uvicorn.Server.{n}() is gone" for n in SERVER_METHODS if not hasattr(uvicorn.Server, n)]
     found += [f"uvicorn.Server.{n} is no longer set" for n in _assigned(uvicorn.Server, SERVER_ATTRIBUTES)]
+    parameters = inspect.signature(HttpToolsProtocol.__init__).parameters
+    found += [f"HttpToolsProtocol() no longer takes {n}=" for n in ("config", "server_state", "app_state")
+              if n not in parameters]
     if 200 not in STATUS_LINE or not STATUS_LINE[200].startswith(b"HTTP/1.1 200"):
         found.append("STATUS_LINE no longer maps status codes to HTTP/1.1 status lines")
     return found
 
 
-__all__ = ["STATUS_LINE", "HttpToolsProtocol", "PINNED", "problems"]
+__all__ = ["STATUS_LINE", "HttpToolsProtocol", "PINNED", "problems", "protocol_factory"]
