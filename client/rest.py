@@ -12,6 +12,7 @@ import urllib.parse
 from typing import Any, Sequence
 
 import requests
+import urllib3
 from requests.adapters import HTTPAdapter
 
 from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, InvalidURL, ModelNotFound, ServerUnavailable
@@ -91,6 +92,12 @@ class RestTransport:
         except requests.ReadTimeout:
             raise DeadlineExceeded(f"no response from {self.base} within {timeout:g}s") from None
         except requests.ConnectionError as exc:  # refused, reset, DNS, connect timeout
+            if _closed_before_response(exc):
+                # A keep-alive connection the server closed as the request went out (a draining or
+                # restarting server, an idle timeout): nothing was answered, and a prediction has no
+                # side effects, so the retry goes out at once, on a new connection.
+                raise ServerUnavailable(f"{self.base} closed the connection before answering: {_reason(exc)}",
+                                        retry_after=0.0) from None
             raise ServerUnavailable(f"cannot connect to {self.base}: {_reason(exc)}") from None
         except requests.RequestException as exc:
             raise ClientError(f"request to {self.base} failed: {_reason(exc)}") from None
@@ -100,6 +107,12 @@ class RestTransport:
             return response.json()
         except ValueError:
             raise ClientError(f"response from {url} is not JSON: {response.text[:200]!r}", response.status_code) from None
+
+
+def _closed_before_response(exc: requests.ConnectionError) -> bool:
+    """The request was sent on an open connection that closed without a response byte (not a
+    connection refused or a DNS failure, which urllib3 reports as MaxRetryError)."""
+    return bool(exc.args) and isinstance(exc.args[0], urllib3.exceptions.ProtocolError)
 
 
 def _raw_prediction(row: Any) -> RawPrediction:

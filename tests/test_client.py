@@ -174,6 +174,10 @@ def test_deadlines_and_overload(slow_server, transport):
 
 # -- retries through a real flaky HTTP server ----------------------------------------------------
 
+CLOSE = 0
+"""A scripted failure of FlakyServer: close the connection without answering."""
+
+
 class FlakyServer:
     """A real HTTP server on localhost: answers the scripted failures `(status, headers)` first, then
     forwards every request to `upstream` (the real model server). Records every request it gets."""
@@ -197,6 +201,9 @@ class FlakyServer:
                     failure = flaky.failures.pop(0) if flaky.failures else None
                 if failure is not None:
                     status, headers = failure
+                    if status == CLOSE:  # the request was read, then the connection closes unanswered
+                        self.close_connection = True
+                        return
                     self._reply(status, json.dumps({"error": f"scripted failure {status}"}).encode(), headers)
                     return
                 r = requests.request(self.command, upstream + self.path, data=body or None, timeout=10,
@@ -238,6 +245,13 @@ def test_retries_on_503_then_succeeds(server):
         assert len(flaky.hits) == 3
         gaps = [b[2] - a[2] for a, b in zip(flaky.hits, flaky.hits[1:])]
         assert gaps[0] >= 0.025 and gaps[1] >= 0.05  # exponential backoff with jitter: [d/2, d], d = 0.05 * 2**n
+
+
+def test_a_connection_closed_before_any_answer_is_retried_at_once(server):
+    with FlakyServer(server.url, [(CLOSE, {})]) as flaky:
+        c = SentimentClient(flaky.url, MODEL_NAME, retries=1, backoff_s=5.0)
+        assert c.predict(["great movie"])[0].label in ("positive", "negative")
+        assert len(flaky.hits) == 2 and flaky.hits[1][2] - flaky.hits[0][2] < 1.0  # no backoff
 
 
 def test_retry_after_is_respected_and_429_retried(server):
