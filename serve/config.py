@@ -111,7 +111,8 @@ class ServeConfig:
 
     drain_delay_s: float = option(0.0, "on SIGTERM, seconds to keep serving (readiness already failing, every "
                                   "answer with Connection: close) before the ports close, so that load balancers "
-                                  "and Kubernetes endpoints stop sending first", flag="--drain-delay", metavar="SECONDS")
+                                  "and Kubernetes endpoints stop sending first",
+                                  flag="--drain-delay", metavar="SECONDS")
     drain_timeout_s: float = option(10.0, "after the ports close, seconds to finish requests already received",
                                     flag="--drain-timeout", metavar="SECONDS")
     warmup: bool = option(True, "replay assets.extra/tf_serving_warmup_requests before a version goes live")

@@ -7,35 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 
 from serve.config import DEFAULT_MODEL_DIR, EXIT_STARTUP, ServeConfig, configure_logging
 from serve.core.model_config_file import ModelConfigError, config_sources
+from serve.sockets import StartupError, bind_socket
 
 log = logging.getLogger(__name__)
-
-LISTEN_BACKLOG = 2048
-
-
-class StartupError(RuntimeError):
-    """The server cannot start (port in use, bad address); the message names the flag."""
-
-
-def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
-    """A listening TCP socket; StartupError naming `flag` if the address cannot be used."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(LISTEN_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
-    return sock
-
 
 def serve(config: ServeConfig) -> int:
     """`python -m serve`: bind the ports, then run one worker here or supervise `config.workers`."""
@@ -62,5 +40,4 @@ def serve(config: ServeConfig) -> int:
     return supervise(config, sock)
 
 
-
-__all__ = ["serve", "bind_socket", "StartupError"]
+__all__ = ["serve", "StartupError"]

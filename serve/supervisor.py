@@ -1,7 +1,8 @@
 """`--workers N`: N serving processes on one port, supervised by the process the user started.
 
-The supervisor binds the REST socket once and hands it to every worker (pre-fork style, each
-worker accepting from the same listening socket); gRPC workers share their port with
+The supervisor binds the REST socket once and every worker accepts from it (pre-fork, as
+gunicorn does), each taking a new connection only while no sibling holds fewer open ones (the
+shared `loads` array, `serve.sockets.AcceptGate`); gRPC workers share their port with
 SO_REUSEPORT. Each worker is a full server: its own event loop, model copy, batcher, reload
 poller and metrics. The supervisor imports neither TensorFlow nor uvicorn: it forwards SIGTERM /
 SIGINT to the workers, restarts a worker that dies while serving, and exits 0 only if every worker
@@ -13,8 +14,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 
@@ -44,7 +47,7 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: int) -> None:
+def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: int, peer_dir: str, loads) -> None:  # noqa: ANN001
     import sys
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the supervisor decides
@@ -54,11 +57,14 @@ def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: i
 
     from serve.worker import run_worker
 
-    sys.exit(run_worker(config, sock, index, stop_requested=early))
+    sys.exit(run_worker(config, sock, index, stop_requested=early, peer_dir=peer_dir, loads=loads))
 
 
 def supervise(config: ServeConfig, sock: socket.socket) -> int:
+    """Run `config.workers` workers accepting from `sock` until SIGTERM/SIGINT; the exit code."""
     context = multiprocessing.get_context("spawn")
+    peer_dir = tempfile.mkdtemp(prefix="serve-workers-")  # each worker's metrics socket (serve.core.metrics)
+    loads = context.Array("i", [-1] * config.workers, lock=False)  # open connections per worker; -1: not accepting
     stop = threading.Event()
     signals: list[int] = []
 
@@ -70,8 +76,8 @@ def supervise(config: ServeConfig, sock: socket.socket) -> int:
         signal.signal(sig, on_signal)
 
     def start(index: int) -> tuple[multiprocessing.Process, float]:
-        process = context.Process(target=_worker_main, args=(config, sock, index, os.getpid()),
-                                  name=f"serve-worker-{index}")
+        process = context.Process(target=_worker_main, name=f"serve-worker-{index}",
+                                  args=(config, sock, index, os.getpid(), peer_dir, loads))
         process.start()
         return process, time.monotonic()
 
@@ -85,6 +91,7 @@ def supervise(config: ServeConfig, sock: socket.socket) -> int:
         for index, (process, started) in list(workers.items()):
             if process.is_alive() or stop.is_set():
                 continue
+            loads[index] = -1  # its connections are gone: siblings stop deferring to it
             quick_deaths = quick_deaths + 1 if time.monotonic() - started < RESTART_WINDOW_S else 0
             if quick_deaths >= MAX_QUICK_DEATHS:
                 log.error("worker %d exited with %s, %d workers died right after starting: giving up",
@@ -107,6 +114,7 @@ def supervise(config: ServeConfig, sock: socket.socket) -> int:
             process.kill()
             process.join()
         codes.append(process.exitcode)
+    shutil.rmtree(peer_dir, ignore_errors=True)
     if failed or any(code != 0 for code in codes):
         log.error("workers exited with %s", codes)
         return 1

@@ -24,10 +24,12 @@ import uvicorn
 
 from serve.config import EXIT_ABANDONED, EXIT_OK, EXIT_STARTUP, ServeConfig, configure_logging
 from serve.core.dataplane import ServingCore
+from serve.core.metrics import PeerMetrics
 from serve.core.model_config_file import ModelConfigError, config_sources, file_fingerprint, read_model_config
 from serve.http.app import create_app
 from serve.http.connection import ConnectionLimits, protocol_class
 from serve.http.uvicorn_internals import protocol_factory
+from serve.sockets import AcceptGate
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +54,28 @@ class _UvicornServer(uvicorn.Server):
         self.limits = limits
         self.drain_timeout_s = drain_timeout_s
         self.abandoned = 0
+        self.gate: AcceptGate | None = None
+        """Takes connections from the listening socket (uvicorn itself listens on none)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # uvicorn would re-raise the signal at exit, turning a clean drain into exit -15
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.gate is not None:  # uvicorn's config is loaded: its protocol class exists now
+            self.gate.start()
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.limits.draining = True
-        queues = [sock.dup() for sock in sockets or []]  # keep each listener open while its queue is taken
-        for server in self.servers:
-            server.close()
-        for sock in sockets or []:
-            sock.close()
-        for sock in queues:
-            await self._take_queued_connections(sock)
+        gate = self.gate
+        if gate is not None:
+            gate.stop()
+            taken = gate.take_queue()  # closing the socket would reset the connections in its queue
+            gate.sock.close()
+            if taken:
+                log.info("drain: %d connection(s) taken from the listening queue", taken)
+        await asyncio.sleep(0)  # let the taken connections start
         state = self.server_state
         for connection in list(state.connections):
             connection.shutdown()
@@ -82,38 +92,18 @@ class _UvicornServer(uvicorn.Server):
         for connection in list(state.connections):
             connection.transport.close()
 
-    async def _take_queued_connections(self, sock: socket.socket) -> None:
-        """Accept the connections the kernel already completed on `sock`, then close it. Closing a
-        listening socket resets the connections in its queue: clients that connected (and maybe
-        sent a request) just before the drain would see a reset instead of an answer."""
-        loop = asyncio.get_running_loop()
-        create_protocol = protocol_factory(self)
-        sock.setblocking(False)
-        taken = 0
-        try:
-            while True:
-                try:
-                    conn, _ = sock.accept()
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError as exc:
-                    log.warning("drain: accepting queued connections failed: %s", exc)
-                    break
-                conn.setblocking(False)
-                await loop.connect_accepted_socket(create_protocol, conn)
-                taken += 1
-        finally:
-            sock.close()
-        if taken:
-            log.info("drain: %d connection(s) taken from the listening queue", taken)
-
 
 class _Worker:
     """One serving process: the core, the REST server under uvicorn, gRPC, and their drain."""
 
-    def __init__(self, config: ServeConfig, sock: socket.socket, index: int | None) -> None:
-        self.config, self.sock, self.index = config, sock, index
+    def __init__(self, config: ServeConfig, sock: socket.socket, index: int | None,
+                 peer_dir: str | None = None, loads=None) -> None:  # noqa: ANN001
+        """`sock`: the listening socket; for one of several workers, `peer_dir` is where they exchange
+        metrics and `loads` their open connections (see `serve.sockets.AcceptGate`)."""
+        self.config, self.sock, self.index, self.loads = config, sock, index, loads
         self.core = ServingCore(config, config_sources(config))
+        if peer_dir is not None and index is not None:
+            self.core.peers = PeerMetrics(self.core.metrics, peer_dir, index)
         self.limits = ConnectionLimits(
             max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
             body_timeout_s=config.body_timeout_s, keepalive_timeout_s=config.keepalive_timeout_s,
@@ -157,6 +147,8 @@ class _Worker:
     async def start(self) -> asyncio.Future:
         """Load the models and open the ports; returns the REST server's task."""
         serving = None
+        if self.core.peers is not None:
+            await self.core.peers.start()
         if self.index is None:  # one process: answer /healthz and /readyz while the model loads
             serving = self._serve_rest()
         # TensorFlow is imported once, here, before the model loaders and the gRPC edge need it: two
@@ -181,7 +173,11 @@ class _Worker:
     def _serve_rest(self) -> asyncio.Future:
         host, port = self.sock.getsockname()[:2]
         log.info("serving %s on http://%s:%d (REST)", _describe(self.core), host, port)
-        return asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
+        serving = asyncio.ensure_future(self.server.serve(sockets=[]))  # uvicorn listens on nothing itself
+        gate = AcceptGate(self.sock, protocol_factory(self.server), loads=self.loads, index=self.index or 0)
+        self.limits.on_open_change = gate.changed
+        self.server.gate = gate  # started by the server once uvicorn has started
+        return serving
 
     async def finish(self) -> int:
         """After the REST server stopped: stop gRPC and the core; the exit code."""
@@ -199,11 +195,12 @@ class _Worker:
 
 
 async def serve_async(
-    config: ServeConfig, sock: socket.socket, *, worker: int | None = None, stop_requested: list[int] | None = None
+    config: ServeConfig, sock: socket.socket, *, worker: int | None = None,
+    stop_requested: list[int] | None = None, peer_dir: str | None = None, loads=None,  # noqa: ANN001
 ) -> int:
     """Serve on `sock` (and config.grpc_port) until SIGTERM (or SIGINT, unless this is one of
     several workers: their supervisor turns Ctrl+C into one SIGTERM each); returns the exit code."""
-    process = _Worker(config, sock, worker)
+    process = _Worker(config, sock, worker, peer_dir, loads)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM,) if worker is not None else (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, process.on_signal, sig)
@@ -259,7 +256,8 @@ async def watch_model_config(config: ServeConfig, core: ServingCore) -> None:
 
 
 def run_worker(
-    config: ServeConfig, sock: socket.socket, worker: int | None = None, stop_requested: list[int] | None = None
+    config: ServeConfig, sock: socket.socket, worker: int | None = None,
+    stop_requested: list[int] | None = None, peer_dir: str | None = None, loads=None,  # noqa: ANN001
 ) -> int:
     """One serving process on an already bound socket (also the body of each --workers process)."""
     import uvloop
@@ -267,7 +265,8 @@ def run_worker(
     configure_logging(config, worker)
     raise_open_file_limit()
     try:
-        code = uvloop.run(serve_async(config, sock, worker=worker, stop_requested=stop_requested))
+        code = uvloop.run(serve_async(config, sock, worker=worker, stop_requested=stop_requested,
+                                       peer_dir=peer_dir, loads=loads))
     except OSError as exc:  # the gRPC port
         log.error("%s", exc)
         return EXIT_STARTUP

@@ -337,6 +337,44 @@ def test_drain_timeout_abandons_with_exit_1_and_says_so(slow_model, tmp_path):
     assert isinstance(result["r"], requests.RequestException)
 
 
+def _per_worker(metrics: str, series: str) -> dict[str, float]:
+    """{worker: value} of one series (its labels but `worker`) in a merged scrape."""
+    found = {}
+    for labels, value in re.findall(rf"^{re.escape(series)}\{{([^}}]*)\}} (\S+)$", metrics, re.M):
+        worker = re.search(r'worker="(\d+)"', labels)
+        if worker:
+            found[worker.group(1)] = found.get(worker.group(1), 0.0) + float(value)
+    return found
+
+
+def test_workers_share_connections_and_one_scrape_shows_them_all(model_base):
+    """32 keep-alive connections opened at once: each of 2 workers serves 30-70% of the requests
+    (each listens on its own SO_REUSEPORT socket), counted by any worker's metrics, which cover all."""
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--workers", "2")
+    try:
+        end = time.monotonic() + 60
+        while srv.log().count("version 1 live") < 2 and time.monotonic() < end:
+            time.sleep(0.2)
+        load = KeepAliveLoad(srv.url, clients=32)
+        while load.answered() < 3000 and time.monotonic() < end + 60:
+            time.sleep(0.05)
+        load.stop()
+        assert load.lost == [] and set(load.statuses) == {200}, (load.statuses, load.lost[:3])
+        scrapes = [requests.get(srv.url + "/monitoring/prometheus/metrics", timeout=10).text for _ in range(6)]
+    finally:
+        assert srv.stop() == 0, srv.log()
+    for text in scrapes:  # whichever worker answered the scrape
+        served = _per_worker(text, "serve_requests_total")
+        assert set(served) == {"0", "1"}, served
+        predicts = _per_worker(text, "serve_batch_size_count")
+        assert sum(predicts.values()) > 0
+    served = {w: v for w, v in _per_worker(scrapes[-1], "serve_requests_total").items()}
+    total = sum(served.values())
+    assert total >= load.answered()
+    shares = {w: v / total for w, v in served.items()}
+    assert all(0.3 <= share <= 0.7 for share in shares.values()), shares
+
+
 # -- several workers on one port --------------------------------------------------------------------
 
 def test_workers_share_the_port_restart_when_killed_and_drain_together(model_base, tmp_path):

@@ -29,7 +29,7 @@ from serve.core.batcher import Batcher
 from serve.core.dtypes import NUMPY_DTYPES, dtype_name, short_dtype
 from serve.core.errors import InvalidArgument, NotFound, Overloaded, ServingError, Unavailable
 from serve.core.loaded_model import LoadedModel, Signature, TensorInfo
-from serve.core.metrics import Metrics
+from serve.core.metrics import Metrics, PeerMetrics
 from serve.core.model_versions import ModelSource, ModelVersions, VersionStatus
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ class ServingCore:
         self.metrics.queued_rows.set_function(lambda: sum(b.queued_rows for b in self.batchers.values()))
         self._draining = False
         self._started = False
+        self.peers: PeerMetrics | None = None
+        """Set by one of several workers: a scrape then returns every worker's metrics."""
 
     def _add(self, source: ModelSource) -> None:
         self.models[source.name] = ModelVersions(source, self.config, on_change=self._on_model_change)
@@ -159,8 +161,14 @@ class ServingCore:
         """Readiness turns false; requests already accepted still complete."""
         self._draining = True
 
+    async def metrics_text(self) -> bytes:
+        """The Prometheus exposition: this process's, or every worker's (see `PeerMetrics`)."""
+        return await self.peers.render_all() if self.peers is not None else self.metrics.render()
+
     async def close(self) -> None:
         self._draining = True
+        if self.peers is not None:
+            await self.peers.close()
         await asyncio.gather(*(asyncio.to_thread(r.stop) for r in self.models.values()))
         for batcher in self.batchers.values():
             await batcher.close(timeout=self.config.drain_timeout_s)

@@ -1,6 +1,18 @@
-"""Prometheus metrics, one registry per ServingCore (so several cores can live in one process)."""
+"""Prometheus metrics, one registry per ServingCore (so several cores can live in one process).
+
+With `--workers N` every worker keeps its own registry and answers a sibling's request for it on
+a Unix socket in a directory the supervisor made (`PeerMetrics`); whichever worker a scrape lands on
+returns all of them, each series labelled `worker="i"` (sum without(worker) for the server). A
+worker being restarted is left out of that scrape, and its counters start again from zero, as
+Prometheus expects of a restarted target.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401 - re-exported for the app
@@ -10,6 +22,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+PEER_TIMEOUT_S = 1.0
+"""How long a scrape waits for a sibling worker's metrics before leaving them out."""
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -68,3 +86,78 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PeerMetrics:
+    """This worker's metrics for its siblings, and theirs for a scrape: one Unix socket per worker,
+    `worker-I.sock` in `directory`; a connection gets the registry's text and is closed."""
+
+    def __init__(self, metrics: Metrics, directory: str, index: int) -> None:
+        self.metrics, self.directory, self.index = metrics, directory, index
+        self._server: asyncio.AbstractServer | None = None
+
+    def _path(self, index: int) -> str:
+        return os.path.join(self.directory, f"worker-{index}.sock")
+
+    async def start(self) -> None:
+        path = self._path(self.index)
+        if os.path.exists(path):
+            os.unlink(path)  # left by this worker's predecessor
+
+        async def answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(self.metrics.render())
+            await writer.drain()
+            writer.close()
+
+        self._server = await asyncio.start_unix_server(answer, path)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def render_all(self) -> bytes:
+        """Every worker's metrics that answer within PEER_TIMEOUT_S, labelled by worker."""
+        texts = {self.index: self.metrics.render()}
+        others = sorted(int(m.group(1)) for m in map(re.compile(r"worker-(\d+)\.sock$").match,
+                                                     os.listdir(self.directory)) if m)
+        fetched = await asyncio.gather(*(self._fetch(i) for i in others if i != self.index))
+        texts.update((i, text) for i, text in fetched if text is not None)
+        return merge_worker_metrics(texts)
+
+    async def _fetch(self, index: int) -> tuple[int, bytes | None]:
+        async def fetch() -> bytes:
+            reader, writer = await asyncio.open_unix_connection(self._path(index))
+            data = await reader.read()
+            writer.close()
+            return data
+
+        try:
+            return index, await asyncio.wait_for(fetch(), PEER_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            log.debug("metrics of worker %d left out of this scrape: %s", index, exc)
+            return index, None
+
+
+class _Families:
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self) -> list:
+        return self.families
+
+
+def merge_worker_metrics(texts: dict[int, bytes]) -> bytes:
+    """One exposition of several workers' texts, every sample labelled `worker`."""
+    merged: dict[str, object] = {}
+    for index, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text.decode()):
+            target = merged.setdefault(family.name, family)
+            labelled = [sample._replace(labels={**sample.labels, "worker": str(index)}) for sample in family.samples]
+            if target is family:
+                family.samples = labelled
+            else:
+                target.samples.extend(labelled)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry)

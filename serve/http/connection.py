@@ -23,6 +23,7 @@ import asyncio
 import logging
 import socket
 from dataclasses import dataclass, field
+from typing import Callable
 
 import httptools
 
@@ -64,6 +65,13 @@ class ConnectionLimits:
     """Requests whose headers were read and handed to the application."""
     refused: int = 0
     draining: bool = False
+    on_open_change: Callable[[int], None] | None = None
+    """Told +1 / -1 as a connection is counted or released (the worker's AcceptGate)."""
+
+    def count(self, delta: int) -> None:
+        self.open += delta
+        if self.on_open_change is not None:
+            self.on_open_change(delta)
 
 
 def protocol_class(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
@@ -99,7 +107,7 @@ class HardenedHttpProtocol(HttpToolsProtocol):
             self._refuse(503, f"server busy: {limits.open} connections open (limit {limits.max_connections}); "
                               "retry later", retry=True)
             return
-        limits.open += 1
+        limits.count(+1)
         self._counted = True
         limits.waiting[self] = self.loop.time()
         sock = transport.get_extra_info("socket")
@@ -111,7 +119,7 @@ class HardenedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._counted:
-            self.limits.open -= 1
+            self.limits.count(-1)
             self._counted = False
         self.limits.waiting.pop(self, None)
         self._disarm()
@@ -232,7 +240,7 @@ class HardenedHttpProtocol(HttpToolsProtocol):
     def _release(self) -> None:
         """Stop counting this connection against the limit (it is being closed)."""
         if self._counted:
-            self.limits.open -= 1
+            self.limits.count(-1)
             self._counted = False
 
     # -- timers ----------------------------------------------------------------------------------

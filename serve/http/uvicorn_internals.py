@@ -29,7 +29,7 @@ PROTOCOL_METHODS = ("connection_made", "connection_lost", "eof_received", "data_
 PROTOCOL_ATTRIBUTES = ("parser", "cycle", "server_state", "transport", "client", "pipeline", "loop", "headers")
 CYCLE_ATTRIBUTES = ("keep_alive", "response_complete", "disconnected", "message_event")
 SERVER_STATE_ATTRIBUTES = ("connections", "tasks", "total_requests", "default_headers")
-SERVER_METHODS = ("capture_signals", "shutdown", "serve")
+SERVER_METHODS = ("capture_signals", "startup", "shutdown", "serve")
 """uvicorn.Server methods the worker overrides (signals, drain) or calls."""
 SERVER_ATTRIBUTES = ("servers", "server_state", "force_exit", "should_exit", "config", "lifespan")
 

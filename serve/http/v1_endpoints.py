@@ -99,7 +99,7 @@ class RestApi:
                               **({"unavailable": state.unavailable} if state.unavailable else {})})
 
     async def metrics(self, _request: Request) -> Response:
-        return Response(self.core.metrics.render(), content_type=CONTENT_TYPE_LATEST.encode())
+        return Response(await self.core.metrics_text(), content_type=CONTENT_TYPE_LATEST.encode())
 
     async def openapi(self, _request: Request) -> Response:
         try:

@@ -1,0 +1,144 @@
+"""Listening sockets, and who takes a new connection when `--workers N` share one.
+
+Every worker accepts from the one listening socket the supervisor bound. Left to the kernel (and
+uvloop, which accepts every queued connection per wake-up), whichever worker wakes first takes a
+burst: measured, 16 keep-alive connections gave one worker 20,786 requests and the other 1; one
+SO_REUSEPORT socket per worker spreads them by a hash instead, still unevenly (32 connections
+split up to 29/71 in 4 runs here). So each worker accepts one connection at a time, and only while
+it holds no more open connections than the least loaded worker (`AcceptGate`): connections spread
+evenly, and a worker that is busy with long requests takes fewer new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 2048
+RETRY_S = 0.002
+"""How soon a worker that left a connection to a less loaded sibling looks at the queue again."""
+
+
+class StartupError(RuntimeError):
+    """The server cannot start (port in use, bad address); the message names the flag."""
+
+
+def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A listening TCP socket; StartupError naming `flag` if the address cannot be used."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class AcceptGate:
+    """Accepts connections from `sock` one at a time into `create_protocol`, deferring to the
+    sibling workers while one of them holds fewer open connections.
+
+    `loads` is shared memory (the supervisor's `multiprocessing.Array`): each worker's open
+    connections, -1 for a worker that is not accepting (starting, restarting, draining). Every
+    worker is woken for each new connection (the socket is shared), so the least loaded one takes
+    it; ties go to whoever is first."""
+
+    def __init__(self, sock: socket.socket, create_protocol: Callable[[], asyncio.Protocol], *,
+                 loads=None, index: int = 0) -> None:  # noqa: ANN001 - a multiprocessing.Array of int
+        self.sock, self.create_protocol, self.loads, self.index = sock, create_protocol, loads, index
+        self.open = 0
+        """Connections this worker accepted that are still open (kept by the protocol's callbacks)."""
+        self._loop = asyncio.get_running_loop()
+        self._accepting = False
+        self._retry: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self.sock.setblocking(False)
+        self._accepting = True
+        self._publish()
+        self._loop.add_reader(self.sock.fileno(), self._on_readable)
+
+    def stop(self) -> None:
+        """Stop accepting (the socket stays open: the drain takes what is left in its queue)."""
+        if self._accepting:
+            self._accepting = False
+            self._loop.remove_reader(self.sock.fileno())
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self.loads is not None:
+            self.loads[self.index] = -1
+
+    def changed(self, delta: int) -> None:
+        """A connection of this worker opened (+1) or closed (-1)."""
+        self.open += delta
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.loads is not None and self._accepting:
+            self.loads[self.index] = self.open
+
+    def _my_turn(self) -> bool:
+        if self.loads is None:
+            return True
+        others = [load for i, load in enumerate(self.loads) if i != self.index and load >= 0]
+        return not others or self.open <= min(others)
+
+    def _on_readable(self) -> None:
+        if not self._my_turn():
+            self._loop.remove_reader(self.sock.fileno())  # level-triggered: it would wake again at once
+            self._retry = self._loop.call_later(RETRY_S, self._resume)
+            return
+        try:
+            conn, _ = self.sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return  # a sibling took it
+        except OSError as exc:  # EMFILE and the like: the connection waits in the queue
+            log.warning("cannot accept a connection: %s", exc)
+            return
+        self.take(conn)
+
+    def _resume(self) -> None:
+        self._retry = None
+        if self._accepting:
+            self._loop.add_reader(self.sock.fileno(), self._on_readable)
+
+    def take(self, conn: socket.socket) -> None:
+        """Serve an accepted connection on this loop."""
+        conn.setblocking(False)
+        self.open += 1  # counted now, before the protocol exists, so the next wake-up sees it
+        self._publish()
+        task = self._loop.create_task(self._loop.connect_accepted_socket(self.create_protocol, conn))
+        task.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Task) -> None:
+        self.open -= 1  # the protocol counts it from here (`changed`), or it failed
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("cannot serve an accepted connection: %s", task.exception())
+        self._publish()
+
+    def take_queue(self) -> int:
+        """Accept every connection already queued on the socket (at drain: closing a listening socket
+        resets them, and clients that connected just before would see a reset, not an answer)."""
+        taken = 0
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return taken
+            except OSError as exc:
+                log.warning("drain: accepting queued connections failed: %s", exc)
+                return taken
+            self.take(conn)
+            taken += 1
+
+
+__all__ = ["AcceptGate", "LISTEN_BACKLOG", "StartupError", "bind_socket"]
