@@ -209,6 +209,21 @@ def build_default_model(workdir: Path) -> str:
     return str(model_dir)
 
 
+def worker_shares(port: int) -> dict[str, float]:
+    """Each worker's share of the requests a `--workers N` server answered (its merged metrics)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/monitoring/prometheus/metrics", timeout=10).read().decode()
+    counts: dict[str, float] = {}
+    for labels, value in re.findall(r"^serve_requests_total\{([^}]*)\} (\S+)$", text, re.M):
+        worker = re.search(r'worker="(\d+)"', labels)
+        if worker:
+            counts[worker.group(1)] = counts.get(worker.group(1), 0.0) + float(value)
+    total = sum(counts.values()) or 1.0
+    return {w: n / total for w, n in sorted(counts.items())}
+
+
 def fmt(r: dict, reviews: bool = False) -> str:
     errors = ", ".join(f"{k}:{v}" for k, v in {**r["non200"], **r["socket_errors"]}.items()) or "0"
     rate = r["reviews_per_s"] if reviews else r["rps"]
@@ -290,6 +305,7 @@ def main() -> None:
             for s in servers:
                 results[s][key] = merge(slices[s], rows)
                 print(f"  {key:<10} {s:<9} {fmt(results[s][key], rows > 1)}", file=sys.stderr, flush=True)
+        shares = worker_shares(ports["serve x2"]) if "serve x2" in servers else {}
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -310,6 +326,9 @@ def main() -> None:
         if "naive" in servers and "serve" in servers and results["naive"][key]["rps"]:
             line += f"| {results['serve'][key]['rps'] / results['naive'][key]['rps']:.2f}x"
         print(line)
+    if shares:
+        print("\nserve x2: share of the requests per worker (whole run): "
+              + ", ".join(f"worker {w} {share:.1%}" for w, share in shares.items()))
     print(f"\nin-process model call (no HTTP): 1 review {rate[1] * 1e3:.2f} ms ({1 / rate[1]:,.0f} reviews/s); "
           f"64 reviews {rate[64] * 1e3:.2f} ms ({64 / rate[64]:,.0f} reviews/s)")
     if "naive" in servers and "serve" in servers:
