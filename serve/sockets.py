@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 LISTEN_BACKLOG = 2048
 RETRY_S = 0.002
 """How soon a worker that left a connection to a less loaded sibling looks at the queue again."""
+MAX_DEFER_S = 0.02
+"""How long a worker leaves queued connections to its siblings before taking one itself: a sibling
+whose event loop is busy (or stuck) must not hold new connections back for longer."""
 
 
 class StartupError(RuntimeError):
@@ -59,6 +62,7 @@ class AcceptGate:
         self._loop = asyncio.get_running_loop()
         self._accepting = False
         self._retry: asyncio.TimerHandle | None = None
+        self._deferring_since: float | None = None
 
     def start(self) -> None:
         self.sock.setblocking(False)
@@ -94,9 +98,14 @@ class AcceptGate:
 
     def _on_readable(self) -> None:
         if not self._my_turn():
-            self._loop.remove_reader(self.sock.fileno())  # level-triggered: it would wake again at once
-            self._retry = self._loop.call_later(RETRY_S, self._resume)
-            return
+            now = self._loop.time()
+            if self._deferring_since is None:
+                self._deferring_since = now
+            if now - self._deferring_since < MAX_DEFER_S:
+                self._loop.remove_reader(self.sock.fileno())  # level-triggered: it would wake again at once
+                self._retry = self._loop.call_later(RETRY_S, self._resume)
+                return
+        self._deferring_since = None
         try:
             conn, _ = self.sock.accept()
         except (BlockingIOError, InterruptedError):

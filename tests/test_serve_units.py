@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 import threading
 import time
@@ -365,3 +366,45 @@ def test_version_flags_take_versions_as_directories_name_them(flag, text, capsys
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert ("expected version numbers such as 1,2" if flag == "--versions" else "expected LABEL=VERSION") in err, err
+
+
+# -- accepting connections among workers --------------------------------------------------------
+
+def _gate_run(sibling_load: int) -> float:
+    """Connect once to a socket whose AcceptGate sees a sibling holding `sibling_load` connections
+    while it holds one already: seconds until the connection was accepted."""
+    from serve.sockets import AcceptGate, bind_socket
+
+    async def main() -> float:
+        sock = bind_socket("127.0.0.1", 0)
+        accepted = asyncio.Event()
+
+        class Protocol(asyncio.Protocol):
+            def connection_made(self, transport) -> None:  # noqa: ANN001
+                accepted.set()
+
+        gate = AcceptGate(sock, Protocol, loads=[1, sibling_load], index=0)
+        gate.open = 1  # this worker already holds a connection
+        gate.start()
+        start = time.monotonic()
+        client = socket.create_connection(sock.getsockname())
+        await asyncio.wait_for(accepted.wait(), 10)
+        elapsed = time.monotonic() - start
+        gate.stop()
+        client.close()
+        sock.close()
+        return elapsed
+
+    return asyncio.run(main())
+
+
+def test_accept_gate_takes_a_connection_when_no_sibling_is_less_loaded(monkeypatch):
+    monkeypatch.setattr("serve.sockets.MAX_DEFER_S", 5.0)
+    assert _gate_run(sibling_load=5) < 2.5  # at once: it does not defer
+
+
+def test_accept_gate_leaves_a_connection_to_a_less_loaded_sibling_but_not_forever(monkeypatch):
+    # The sibling (load 0) never accepts, as if its loop were stuck: the gate takes the connection
+    # itself after MAX_DEFER_S instead of leaving it queued.
+    monkeypatch.setattr("serve.sockets.MAX_DEFER_S", 0.3)
+    assert 0.3 <= _gate_run(sibling_load=0) < 5.0
