@@ -62,8 +62,15 @@ def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: i
 
 def supervise(config: ServeConfig, sock: socket.socket) -> int:
     """Run `config.workers` workers accepting from `sock` until SIGTERM/SIGINT; the exit code."""
-    context = multiprocessing.get_context("spawn")
     peer_dir = tempfile.mkdtemp(prefix="serve-workers-")  # each worker's metrics socket (serve.core.metrics)
+    try:
+        return _supervise(config, sock, peer_dir)
+    finally:
+        shutil.rmtree(peer_dir, ignore_errors=True)
+
+
+def _supervise(config: ServeConfig, sock: socket.socket, peer_dir: str) -> int:
+    context = multiprocessing.get_context("spawn")
     loads = context.Array("i", [-1] * config.workers, lock=False)  # open connections per worker; -1: not accepting
     stop = threading.Event()
     signals: list[int] = []
@@ -82,8 +89,8 @@ def supervise(config: ServeConfig, sock: socket.socket) -> int:
         return process, time.monotonic()
 
     workers = {i: start(i) for i in range(config.workers)}
-    log.info("supervising %d workers on port %d (pids %s)", config.workers, config.port,
-             ", ".join(str(p.pid) for p, _ in workers.values()))
+    log.info("supervising %d workers on port %d (pids %s; metrics exchanged in %s)", config.workers, config.port,
+             ", ".join(str(p.pid) for p, _ in workers.values()), peer_dir)
     quick_deaths = 0
     failed = False
     while not stop.is_set():
@@ -114,7 +121,6 @@ def supervise(config: ServeConfig, sock: socket.socket) -> int:
             process.kill()
             process.join()
         codes.append(process.exitcode)
-    shutil.rmtree(peer_dir, ignore_errors=True)
     if failed or any(code != 0 for code in codes):
         log.error("workers exited with %s", codes)
         return 1

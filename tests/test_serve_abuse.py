@@ -319,13 +319,16 @@ def test_a_model_without_a_base_path_does_not_make_the_server_unready(model_base
 
 def test_workers_exit_when_their_supervisor_is_killed(model_base, tmp_path):
     srv = ServerProcess(model_base, "--poll-interval", "0", "--workers", "2", log_path=tmp_path / "serve.log")
-    workers = [int(p) for p in re.search(r"\(pids ([\d, ]+)\)", srv.log()).group(1).split(", ")]
+    match = re.search(r"\(pids ([\d, ]+); metrics exchanged in (\S+)\)", srv.log())
+    workers, peer_dir = [int(p) for p in match.group(1).split(", ")], match.group(2)
+    assert os.path.isdir(peer_dir)
     os.kill(srv.proc.pid, signal.SIGKILL)
     srv.proc.wait(10)
     end = time.monotonic() + 20
     while any(_alive(pid) for pid in workers):
         assert time.monotonic() < end, f"workers {workers} still running:\n{srv.log()}"
         time.sleep(0.1)
+    assert not os.path.exists(peer_dir)  # the last worker out removed it
     again = ServerProcess(model_base, "--poll-interval", "0", log_path=tmp_path / "again.log")  # the port is free
     assert again.stop() == 0
 

@@ -387,7 +387,7 @@ def test_workers_share_the_port_restart_when_killed_and_drain_together(model_bas
         while srv.log().count("version 1 live") < 2 and time.monotonic() < end:
             time.sleep(0.2)
         assert "[worker 0]" in srv.log() and "[worker 1]" in srv.log()
-        pids = [int(p) for p in re.search(r"\(pids ([\d, ]+)\)", srv.log()).group(1).split(", ")]
+        pids = [int(p) for p in re.search(r"\(pids ([\d, ]+);", srv.log()).group(1).split(", ")]
         import os
 
         os.kill(pids[0], signal.SIGKILL)

@@ -115,6 +115,11 @@ class PeerMetrics:
         if self._server is not None:
             self._server.close()
             self._server = None
+        try:
+            os.unlink(self._path(self.index))
+            os.rmdir(self.directory)  # the last worker out removes it, also when the supervisor was killed
+        except OSError:
+            pass
 
     async def render_all(self) -> bytes:
         """Every worker's metrics that answer within PEER_TIMEOUT_S, labelled by worker."""
