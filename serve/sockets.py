@@ -63,6 +63,7 @@ class AcceptGate:
         self._accepting = False
         self._retry: asyncio.TimerHandle | None = None
         self._deferring_since: float | None = None
+        self._connecting: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self.sock.setblocking(False)
@@ -126,9 +127,16 @@ class AcceptGate:
         self.open += 1  # counted now, before the protocol exists, so the next wake-up sees it
         self._publish()
         task = self._loop.create_task(self._loop.connect_accepted_socket(self.create_protocol, conn))
+        self._connecting.add(task)
         task.add_done_callback(self._connected)
 
+    async def settle(self) -> None:
+        """Wait until every accepted connection has its protocol (so the server counts it)."""
+        while self._connecting:
+            await asyncio.wait(list(self._connecting))
+
     def _connected(self, task: asyncio.Task) -> None:
+        self._connecting.discard(task)
         self.open -= 1  # the protocol counts it from here (`changed`), or it failed
         if not task.cancelled() and task.exception() is not None:
             log.warning("cannot serve an accepted connection: %s", task.exception())

@@ -75,7 +75,7 @@ class _UvicornServer(uvicorn.Server):
             gate.sock.close()
             if taken:
                 log.info("drain: %d connection(s) taken from the listening queue", taken)
-        await asyncio.sleep(0)  # let the taken connections start
+            await gate.settle()  # each taken connection is in server_state.connections before the wait below
         state = self.server_state
         for connection in list(state.connections):
             connection.shutdown()

@@ -270,7 +270,7 @@ class KeepAliveLoad:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigterm_under_keep_alive_load_loses_no_request(model_base, workers):
-    srv = ServerProcess(model_base, "--poll-interval", "0", "--drain-timeout", "5", "--workers", str(workers))
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--drain-timeout", "10", "--workers", str(workers))
     load = KeepAliveLoad(srv.url)
     end = time.monotonic() + 30
     while load.answered() < 1000 and time.monotonic() < end:
@@ -282,7 +282,7 @@ def test_sigterm_under_keep_alive_load_loses_no_request(model_base, workers):
     load.stop()
     srv.stop()
     log = srv.log(full=True)
-    assert code == 0 and drain_s < 5, log[-3000:]
+    assert code == 0 and drain_s < 10, log[-3000:]  # within --drain-timeout (about 1 s on a quiet machine)
     assert load.lost == [], (len(load.lost), load.answered(), load.lost[:5])
     assert set(load.statuses) == {200}, load.statuses
     assert load.answered() >= 1000
