@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 LISTEN_BACKLOG = 2048
 RETRY_S = 0.002
 """How soon a worker that left a connection to a less loaded sibling looks at the queue again."""
+PAUSE_ON_ERROR_S = 0.1
+"""How long accepting pauses after an error such as too many open files (else it would spin)."""
 MAX_DEFER_S = 0.02
 """How long a worker leaves queued connections to its siblings before taking one itself: a sibling
 whose event loop is busy (or stuck) must not hold new connections back for longer."""
@@ -63,6 +65,8 @@ class AcceptGate:
         self._accepting = False
         self._retry: asyncio.TimerHandle | None = None
         self._deferring_since: float | None = None
+        """When this worker began leaving the queued connection(s) to a sibling."""
+        self._resumed_at = float("-inf")
         self._connecting: set[asyncio.Task] = set()
 
     def start(self) -> None:
@@ -100,25 +104,30 @@ class AcceptGate:
     def _on_readable(self) -> None:
         if not self._my_turn():
             now = self._loop.time()
-            if self._deferring_since is None:
-                self._deferring_since = now
+            if self._deferring_since is None or now - self._resumed_at > RETRY_S:
+                self._deferring_since = now  # not the same connection still waiting: a new one
             if now - self._deferring_since < MAX_DEFER_S:
-                self._loop.remove_reader(self.sock.fileno())  # level-triggered: it would wake again at once
-                self._retry = self._loop.call_later(RETRY_S, self._resume)
+                self._pause(RETRY_S)  # level-triggered: it would wake again at once
                 return
         self._deferring_since = None
         try:
             conn, _ = self.sock.accept()
         except (BlockingIOError, InterruptedError):
             return  # a sibling took it
-        except OSError as exc:  # EMFILE and the like: the connection waits in the queue
-            log.warning("cannot accept a connection: %s", exc)
+        except OSError as exc:  # EMFILE and the like: the connection waits in the queue meanwhile
+            log.warning("cannot accept a connection: %s; trying again in %gs", exc, PAUSE_ON_ERROR_S)
+            self._pause(PAUSE_ON_ERROR_S)
             return
         self.take(conn)
+
+    def _pause(self, seconds: float) -> None:
+        self._loop.remove_reader(self.sock.fileno())
+        self._retry = self._loop.call_later(seconds, self._resume)
 
     def _resume(self) -> None:
         self._retry = None
         if self._accepting:
+            self._resumed_at = self._loop.time()
             self._loop.add_reader(self.sock.fileno(), self._on_readable)
 
     def take(self, conn: socket.socket) -> None:

@@ -408,3 +408,29 @@ def test_accept_gate_leaves_a_connection_to_a_less_loaded_sibling_but_not_foreve
     # itself after MAX_DEFER_S instead of leaving it queued.
     monkeypatch.setattr("serve.sockets.MAX_DEFER_S", 0.3)
     assert 0.3 <= _gate_run(sibling_load=0) < 5.0
+
+
+def test_accept_gate_pauses_when_out_of_file_descriptors():
+    """EMFILE leaves the connection queued: the gate pauses instead of spinning on the wake-ups."""
+    script = r"""
+import asyncio, logging, os, resource, socket, sys
+from serve.sockets import AcceptGate, bind_socket
+records = []
+logging.getLogger("serve.sockets").addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: records.append(r)})())
+async def main():
+    sock = bind_socket("127.0.0.1", 0)
+    clients = [socket.create_connection(sock.getsockname()) for _ in range(3)]
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    gate = AcceptGate(sock, asyncio.Protocol)
+    gate.start()
+    await asyncio.sleep(0.5)
+    print(len(records), gate.open)
+asyncio.run(main())
+"""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    warnings, opened = map(int, done.stdout.split())
+    assert opened == 0 and 1 <= warnings <= 10, done.stdout + done.stderr  # one try per PAUSE_ON_ERROR_S
