@@ -224,6 +224,27 @@ def worker_shares(port: int) -> dict[str, float]:
     return {w: n / total for w, n in sorted(counts.items())}
 
 
+def peak_rss_mb(pid: int) -> float:
+    """Peak resident memory of a server: the process and its children (workers), each's VmHWM summed."""
+    def children(p: int) -> list[int]:
+        found = []
+        for task in Path(f"/proc/{p}/task").iterdir():
+            text = (task / "children").read_text().split()
+            found += [int(c) for c in text]
+        return found
+
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            todo += children(p)
+        except OSError:
+            continue  # gone meanwhile
+        total += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+    return total / 1024
+
+
 def fmt(r: dict, reviews: bool = False) -> str:
     errors = ", ".join(f"{k}:{v}" for k, v in {**r["non200"], **r["socket_errors"]}.items()) or "0"
     rate = r["reviews_per_s"] if reviews else r["rps"]
@@ -306,6 +327,7 @@ def main() -> None:
                 results[s][key] = merge(slices[s], rows)
                 print(f"  {key:<10} {s:<9} {fmt(results[s][key], rows > 1)}", file=sys.stderr, flush=True)
         shares = worker_shares(ports["serve x2"]) if "serve x2" in servers else {}
+        peaks = {s: peak_rss_mb(proc.pid) for s, proc in procs.items()}
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -326,6 +348,8 @@ def main() -> None:
         if "naive" in servers and "serve" in servers and results["naive"][key]["rps"]:
             line += f"| {results['serve'][key]['rps'] / results['naive'][key]['rps']:.2f}x"
         print(line)
+    print("\npeak resident memory of each server, all its processes: "
+          + ", ".join(f"{s} {mb:,.0f} MB" for s, mb in peaks.items()))
     if shares:
         print("\nserve x2: share of the requests per worker (whole run): "
               + ", ".join(f"worker {w} {share:.1%}" for w, share in shares.items()))
