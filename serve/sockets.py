@@ -56,11 +56,13 @@ class AcceptGate:
     worker is woken for each new connection (the socket is shared), so the least loaded one takes
     it; ties go to whoever is first."""
 
-    def __init__(self, sock: socket.socket, create_protocol: Callable[[], asyncio.Protocol], *,
+    def __init__(self, sock: socket.socket, create_protocol: Callable[[], asyncio.Protocol],
+                 open_connections: Callable[[], int], *,
                  loads=None, index: int = 0) -> None:  # noqa: ANN001 - a multiprocessing.Array of int
+        """`open_connections()`: the connections this worker's protocols hold open (call `publish`
+        when it changes)."""
         self.sock, self.create_protocol, self.loads, self.index = sock, create_protocol, loads, index
-        self.open = 0
-        """Connections this worker accepted that are still open (kept by the protocol's callbacks)."""
+        self._open_connections = open_connections
         self._loop = asyncio.get_running_loop()
         self._accepting = False
         self._retry: asyncio.TimerHandle | None = None
@@ -72,7 +74,7 @@ class AcceptGate:
     def start(self) -> None:
         self.sock.setblocking(False)
         self._accepting = True
-        self._publish()
+        self.publish()
         self._loop.add_reader(self.sock.fileno(), self._on_readable)
 
     def stop(self) -> None:
@@ -86,20 +88,20 @@ class AcceptGate:
         if self.loads is not None:
             self.loads[self.index] = -1
 
-    def changed(self, delta: int) -> None:
-        """A connection of this worker opened (+1) or closed (-1)."""
-        self.open += delta
-        self._publish()
+    def load(self) -> int:
+        """Open connections, counting those accepted whose protocol does not exist yet."""
+        return self._open_connections() + len(self._connecting)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Tell the siblings this worker's load (after a connection opened or closed)."""
         if self.loads is not None and self._accepting:
-            self.loads[self.index] = self.open
+            self.loads[self.index] = self.load()
 
     def _my_turn(self) -> bool:
         if self.loads is None:
             return True
         others = [load for i, load in enumerate(self.loads) if i != self.index and load >= 0]
-        return not others or self.open <= min(others)
+        return not others or self.load() <= min(others)
 
     def _on_readable(self) -> None:
         if not self._my_turn():
@@ -133,11 +135,10 @@ class AcceptGate:
     def take(self, conn: socket.socket) -> None:
         """Serve an accepted connection on this loop."""
         conn.setblocking(False)
-        self.open += 1  # counted now, before the protocol exists, so the next wake-up sees it
-        self._publish()
         task = self._loop.create_task(self._loop.connect_accepted_socket(self.create_protocol, conn))
-        self._connecting.add(task)
+        self._connecting.add(task)  # counted now, before the protocol exists, so the next wake-up sees it
         task.add_done_callback(self._connected)
+        self.publish()
 
     async def settle(self) -> None:
         """Wait until every accepted connection has its protocol (so the server counts it)."""
@@ -145,11 +146,10 @@ class AcceptGate:
             await asyncio.wait(list(self._connecting))
 
     def _connected(self, task: asyncio.Task) -> None:
-        self._connecting.discard(task)
-        self.open -= 1  # the protocol counts it from here (`changed`), or it failed
+        self._connecting.discard(task)  # its protocol counts it from here, or it failed
         if not task.cancelled() and task.exception() is not None:
             log.warning("cannot serve an accepted connection: %s", task.exception())
-        self._publish()
+        self.publish()
 
     def take_queue(self) -> int:
         """Accept every connection already queued on the socket (at drain: closing a listening socket

@@ -103,7 +103,7 @@ class _Worker:
         self.config, self.sock, self.index, self.loads = config, sock, index, loads
         self.core = ServingCore(config, config_sources(config))
         if peer_dir is not None and index is not None:
-            self.core.peers = PeerMetrics(self.core.metrics, peer_dir, index)
+            self.core.peers = PeerMetrics(self.core.metrics, peer_dir, index, config.workers)
         self.limits = ConnectionLimits(
             max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
             body_timeout_s=config.body_timeout_s, keepalive_timeout_s=config.keepalive_timeout_s,
@@ -174,8 +174,9 @@ class _Worker:
         host, port = self.sock.getsockname()[:2]
         log.info("serving %s on http://%s:%d (REST)", _describe(self.core), host, port)
         serving = asyncio.ensure_future(self.server.serve(sockets=[]))  # uvicorn listens on nothing itself
-        gate = AcceptGate(self.sock, protocol_factory(self.server), loads=self.loads, index=self.index or 0)
-        self.limits.on_open_change = gate.changed
+        gate = AcceptGate(self.sock, protocol_factory(self.server), lambda: self.limits.open,
+                          loads=self.loads, index=self.index or 0)
+        self.limits.on_open_change = gate.publish
         self.server.gate = gate  # started by the server once uvicorn has started
         return serving
 

@@ -383,8 +383,7 @@ def _gate_run(sibling_load: int) -> float:
             def connection_made(self, transport) -> None:  # noqa: ANN001
                 accepted.set()
 
-        gate = AcceptGate(sock, Protocol, loads=[1, sibling_load], index=0)
-        gate.open = 1  # this worker already holds a connection
+        gate = AcceptGate(sock, Protocol, lambda: 1, loads=[1, sibling_load], index=0)  # it holds one already
         gate.start()
         start = time.monotonic()
         client = socket.create_connection(sock.getsockname())
@@ -420,12 +419,13 @@ logging.getLogger("serve.sockets").addHandler(type("H", (logging.Handler,), {"em
 async def main():
     sock = bind_socket("127.0.0.1", 0)
     clients = [socket.create_connection(sock.getsockname()) for _ in range(3)]
-    used = len(os.listdir("/proc/self/fd"))
+    used = len(os.listdir("/proc/self/fd")) - 1  # listdir's own descriptor is closed again
     resource.setrlimit(resource.RLIMIT_NOFILE, (used, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-    gate = AcceptGate(sock, asyncio.Protocol)
+    made = []
+    gate = AcceptGate(sock, lambda: type("P", (asyncio.Protocol,), {"connection_made": made.append})(), lambda: 0)
     gate.start()
     await asyncio.sleep(0.5)
-    print(len(records), gate.open)
+    print(len(records), len(made))
 asyncio.run(main())
 """
     import subprocess

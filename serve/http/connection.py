@@ -65,13 +65,13 @@ class ConnectionLimits:
     """Requests whose headers were read and handed to the application."""
     refused: int = 0
     draining: bool = False
-    on_open_change: Callable[[int], None] | None = None
-    """Told +1 / -1 as a connection is counted or released (the worker's AcceptGate)."""
+    on_open_change: Callable[[], None] | None = None
+    """Called after `open` changed (the worker's AcceptGate tells the sibling workers)."""
 
     def count(self, delta: int) -> None:
         self.open += delta
         if self.on_open_change is not None:
-            self.on_open_change(delta)
+            self.on_open_change()
 
 
 def protocol_class(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
