@@ -47,7 +47,8 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: int, peer_dir: str, loads) -> None:  # noqa: ANN001
+def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: int, peer_dir: str,
+                 loads) -> None:  # noqa: ANN001 - a multiprocessing.Array of int
     import sys
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the supervisor decides

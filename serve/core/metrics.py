@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401 - re-exported for the app
@@ -92,8 +91,8 @@ class PeerMetrics:
     """This worker's metrics for its siblings, and theirs for a scrape: one Unix socket per worker,
     `worker-I.sock` in `directory`; a connection gets the registry's text and is closed."""
 
-    def __init__(self, metrics: Metrics, directory: str, index: int) -> None:
-        self.metrics, self.directory, self.index = metrics, directory, index
+    def __init__(self, metrics: Metrics, directory: str, index: int, workers: int) -> None:
+        self.metrics, self.directory, self.index, self.workers = metrics, directory, index, workers
         self._server: asyncio.AbstractServer | None = None
 
     def _path(self, index: int) -> str:
@@ -124,9 +123,7 @@ class PeerMetrics:
     async def render_all(self) -> bytes:
         """Every worker's metrics that answer within PEER_TIMEOUT_S, labelled by worker."""
         texts = {self.index: self.metrics.render()}
-        others = sorted(int(m.group(1)) for m in map(re.compile(r"worker-(\d+)\.sock$").match,
-                                                     os.listdir(self.directory)) if m)
-        fetched = await asyncio.gather(*(self._fetch(i) for i in others if i != self.index))
+        fetched = await asyncio.gather(*(self._fetch(i) for i in range(self.workers) if i != self.index))
         texts.update((i, text) for i, text in fetched if text is not None)
         return merge_worker_metrics(texts)
 

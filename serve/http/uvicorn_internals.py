@@ -35,8 +35,8 @@ SERVER_ATTRIBUTES = ("servers", "server_state", "force_exit", "should_exit", "co
 
 
 def protocol_factory(server: uvicorn.Server) -> Callable[[], asyncio.Protocol]:
-    """What `uvicorn.Server.startup` hands to `loop.create_server`: a new connection's protocol (for
-    connections the worker accepts itself, from a listening socket's queue at drain)."""
+    """What `uvicorn.Server.startup` hands to `loop.create_server`: a new connection's protocol. The
+    worker accepts connections itself (`serve.sockets.AcceptGate`) and hands them to this."""
     config = server.config
 
     def create_protocol() -> asyncio.Protocol:
