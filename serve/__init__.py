@@ -1,8 +1,8 @@
 """Serving stage: TF Serving's REST and gRPC APIs for the exported sentiment SavedModel.
 
 `ServingCore` (models + validation + batcher + metrics) is shared by every protocol edge;
-`create_app(config, core)` builds the REST port's ASGI app, `serve(config)` runs everything under
-uvicorn and grpc.aio. Importing this package imports neither TensorFlow nor uvicorn.
+`create_app(config, core)` builds the REST port's app, `serve(config)` runs everything on uvloop
+and grpc.aio. Importing this package imports neither TensorFlow nor the HTTP layer.
 """
 
 import logging

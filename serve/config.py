@@ -162,8 +162,6 @@ def configure_logging(config: ServeConfig, worker: int | None = None) -> None:
     prefix = f"[worker {worker}] " if worker is not None else ""
     logging.basicConfig(level=config.log_level.upper(), force=True,
                         format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s")
-    if config.log_level.upper() != "DEBUG":  # uvicorn's own start/stop chatter
-        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
 
 
 def _flag(name: str) -> str:

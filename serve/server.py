@@ -1,7 +1,7 @@
 """`python -m serve`: bind the ports, then run one worker in this process or supervise
 `--workers N` worker processes (gunicorn's arbiter and workers, apart: `serve.supervisor` starts
 `serve.worker.run_worker` in each child). Importing this module imports neither TensorFlow nor
-uvicorn; the single-process path imports the worker when it starts it."""
+the HTTP layer; the single-process path imports the worker when it starts it."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The supervisor binds the REST socket once and every worker accepts from it (pre-
 gunicorn does), each taking a new connection only while no sibling holds fewer open ones (the
 shared `loads` array, `serve.sockets.AcceptGate`); gRPC workers share their port with
 SO_REUSEPORT. Each worker is a full server: its own event loop, model copy, batcher, reload
-poller and metrics. The supervisor imports neither TensorFlow nor uvicorn: it forwards SIGTERM /
+poller and metrics. The supervisor imports neither TensorFlow nor the HTTP layer: it forwards SIGTERM /
 SIGINT to the workers, restarts a worker that dies while serving, and exits 0 only if every worker
 drained cleanly.
 """

@@ -1,5 +1,6 @@
-"""Run the server: the REST app under uvicorn (uvloop + httptools) and gRPC on grpc.aio, one event
-loop and one core per process; `--workers N` runs N such processes on the same ports.
+"""Run the server: the REST port (this project's HTTP/1.1 protocol on uvloop + httptools) and gRPC
+on grpc.aio, one event loop and one core per process; `--workers N` runs N such processes on the
+same ports.
 
 Shutdown on SIGTERM or SIGINT: readiness turns false and every answer carries `Connection: close`;
 after `--drain-delay` the listening sockets close (the connections already in their queues are
@@ -18,17 +19,14 @@ import os
 import resource
 import signal
 import socket
-from typing import Iterator
-
-import uvicorn
 
 from serve.config import EXIT_ABANDONED, EXIT_OK, EXIT_STARTUP, ServeConfig, configure_logging
 from serve.core.dataplane import ServingCore
 from serve.core.metrics import PeerMetrics
 from serve.core.model_config_file import ModelConfigError, config_sources, file_fingerprint, read_model_config
 from serve.http.app import create_app
-from serve.http.connection import ConnectionLimits, protocol_class
-from serve.http.uvicorn_internals import protocol_factory
+from serve.http.connection import ConnectionLimits
+from serve.http.rest_server import RestServer
 from serve.sockets import AcceptGate
 
 log = logging.getLogger(__name__)
@@ -45,56 +43,8 @@ def raise_open_file_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
 
 
-class _UvicornServer(uvicorn.Server):
-    """uvicorn's server with this project's drain: signals are handled by `_serve`, and shutdown
-    waits for requests already received, bounded by the drain timeout, counting what it abandons."""
-
-    def __init__(self, config: uvicorn.Config, limits: ConnectionLimits, drain_timeout_s: float) -> None:
-        super().__init__(config)
-        self.limits = limits
-        self.drain_timeout_s = drain_timeout_s
-        self.abandoned = 0
-        self.gate: AcceptGate | None = None
-        """Takes connections from the listening socket (uvicorn itself listens on none)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # uvicorn would re-raise the signal at exit, turning a clean drain into exit -15
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.gate is not None:  # uvicorn's config is loaded: its protocol class exists now
-            self.gate.start()
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.limits.draining = True
-        gate = self.gate
-        if gate is not None:
-            gate.stop()
-            taken = gate.take_queue()  # closing the socket would reset the connections in its queue
-            gate.sock.close()
-            if taken:
-                log.info("drain: %d connection(s) taken from the listening queue", taken)
-            await gate.settle()  # each taken connection is in server_state.connections before the wait below
-        state = self.server_state
-        for connection in list(state.connections):
-            connection.shutdown()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.drain_timeout_s
-        while (state.connections or state.tasks) and loop.time() < deadline and not self.force_exit:
-            now = loop.time()
-            for connection in list(state.connections):
-                connection.close_if_idle(now)
-            await asyncio.sleep(0.02)
-        self.abandoned = len(state.tasks)
-        for task in list(state.tasks):
-            task.cancel()
-        for connection in list(state.connections):
-            connection.transport.close()
-
-
 class _Worker:
-    """One serving process: the core, the REST server under uvicorn, gRPC, and their drain."""
+    """One serving process: the core, the REST server, gRPC, and their drain. Made on the serving loop."""
 
     def __init__(self, config: ServeConfig, sock: socket.socket, index: int | None,
                  peer_dir: str | None = None, loads=None) -> None:  # noqa: ANN001
@@ -109,21 +59,19 @@ class _Worker:
             body_timeout_s=config.body_timeout_s, keepalive_timeout_s=config.keepalive_timeout_s,
             max_header_bytes=config.max_header_bytes, max_body_bytes=config.max_body_bytes,
         )
-        uconfig = uvicorn.Config(
-            create_app(config, self.core), http=protocol_class(self.limits), ws="none", lifespan="off",
-            interface="asgi3", proxy_headers=False, server_header=False, access_log=False, log_config=None,
-            log_level=None, timeout_keep_alive=int(max(1, config.keepalive_timeout_s)),
-        )
-        self.server = _UvicornServer(uconfig, self.limits, config.drain_timeout_s)
+        self.rest = RestServer(create_app(config, self.core), self.limits)
+        self.gate: AcceptGate | None = None
+        self.stop_rest = asyncio.Event()
+        self.abandoned = 0
         self.grpc_server = None
         self.grpc_stopped: asyncio.Future | None = None
         self.draining = False
 
     def on_signal(self, signum: int) -> None:
-        server = self.server
         if self.draining:
             log.warning("second %s: stopping now", signal.Signals(signum).name)
-            server.should_exit = server.force_exit = True
+            self.rest.force_exit = True
+            self.stop_rest.set()
             self._close_grpc(0)
             return
         self.draining = True
@@ -131,13 +79,11 @@ class _Worker:
         log.info("received %s: draining (%sup to %gs for requests in progress)", signal.Signals(signum).name,
                  f"ports open {delay:g}s more, then " if delay else "", self.config.drain_timeout_s)
         self.core.begin_drain()  # readiness fails from now on
-        self.limits.draining = True  # every answer from now on: Connection: close
-        for connection in list(server.server_state.connections):
-            connection.shutdown()
+        self.rest.begin_drain()  # every answer from now on: Connection: close
         asyncio.get_running_loop().call_later(delay, self._close_ports)
 
     def _close_ports(self) -> None:
-        self.server.should_exit = True  # uvicorn's main loop then runs `_UvicornServer.shutdown`
+        self.stop_rest.set()  # `_run_rest` drains the REST port
         self._close_grpc(self.config.drain_timeout_s)
 
     def _close_grpc(self, grace_s: float) -> None:
@@ -173,20 +119,24 @@ class _Worker:
     def _serve_rest(self) -> asyncio.Future:
         host, port = self.sock.getsockname()[:2]
         log.info("serving %s on http://%s:%d (REST)", _describe(self.core), host, port)
-        serving = asyncio.ensure_future(self.server.serve(sockets=[]))  # uvicorn listens on nothing itself
-        gate = AcceptGate(self.sock, protocol_factory(self.server), lambda: self.limits.open,
-                          loads=self.loads, index=self.index or 0)
-        self.limits.on_open_change = gate.publish
-        self.server.gate = gate  # started by the server once uvicorn has started
-        return serving
+        self.gate = AcceptGate(self.sock, self.rest.protocol_factory, lambda: self.limits.open,
+                               loads=self.loads, index=self.index or 0)
+        self.limits.on_open_change = self.gate.publish
+        self.rest.start()
+        self.gate.start()
+        return asyncio.ensure_future(self._run_rest())
+
+    async def _run_rest(self) -> None:
+        await self.stop_rest.wait()
+        self.abandoned = await self.rest.drain(self.gate, self.config.drain_timeout_s)
 
     async def finish(self) -> int:
         """After the REST server stopped: stop gRPC and the core; the exit code."""
-        abandoned = self.server.abandoned
+        abandoned = self.abandoned
         if self.grpc_stopped is not None:
             abandoned += await self.grpc_stopped
         await self.core.close()
-        received, answered = self.limits.received, self.server.server_state.total_requests
+        received, answered = self.limits.received, self.limits.answered
         if abandoned:
             log.error("drain timeout (%gs): %d request(s) abandoned; %d received, %d answered",
                       self.config.drain_timeout_s, abandoned, received, answered)

@@ -1,5 +1,5 @@
-"""The house rules, in the fast tier: the import layers of pyproject.toml (import-linter), uvicorn's
-internals still where the server expects them, and functions that fit on a screen."""
+"""The house rules, in the fast tier: the import layers of pyproject.toml (import-linter) and
+functions that fit on a screen."""
 
 from __future__ import annotations
 
@@ -19,13 +19,6 @@ def test_import_layers_hold():
     done = subprocess.run([lint, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
-
-
-def test_uvicorn_internals_the_server_relies_on_are_still_there():
-    from serve.http.uvicorn_internals import problems
-
-    found = problems()
-    assert not found, "uvicorn changed under serve/http/uvicorn_internals.py:\n  " + "\n  ".join(found)
 
 
 def test_no_function_is_longer_than_a_screen():

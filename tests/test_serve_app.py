@@ -1,4 +1,4 @@
-"""Route details through the ASGI app in process (no sockets) with a real ServingCore on the test
+"""Route details through the REST app in process (no sockets) with a real ServingCore on the test
 model: every route, error and limit of the REST edge."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import shutil
 import time
 
 import pytest
-from asgi_client import AsgiClient, LoopThread
+from app_client import AppClient, LoopThread
 from conftest import MODEL_NAME, add_model_version, copy_model_base
 
 from serve import ServeConfig, ServingCore, create_app
@@ -50,7 +50,7 @@ def make_app(two_versions, loop):
         loop.run(core.start())
         cores.append(core)
         wait_for(lambda: core.ready or not any(version_dirs(config.model_dir)[0]))
-        return AsgiClient(create_app(config, core), loop), core
+        return AppClient(create_app(config, core), loop), core
 
     yield make
     for core in cores:

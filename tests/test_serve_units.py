@@ -19,7 +19,7 @@ from serve.core.batcher import Batcher
 from serve.core.dataplane import validate_inputs
 from serve.core.loaded_model import Signature, TensorInfo
 from serve.core.model_versions import ModelSource, select_versions
-from serve.http.asgi import HTTP_STATUS, dumps, error_response
+from serve.http.routing import HTTP_STATUS, dumps, error_response
 from serve.http.v1_codec import (
     format_classify,
     format_predict,

@@ -1,4 +1,4 @@
-"""The web page at `GET /`: routes through the ASGI app in process, then headless Chromium driving
+"""The web page at `GET /`: routes through the REST app in process, then headless Chromium driving
 the page against a real `python -m serve` process (Debian's /usr/bin/chromium; no browser download)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 import shutil
 
 import pytest
-from asgi_client import AsgiClient, LoopThread
+from app_client import AppClient, LoopThread
 from conftest import MODEL_NAME
 from playwright.sync_api import Page, expect, sync_playwright
 from serve_process import REPO, ServerProcess
@@ -39,7 +39,7 @@ def make_client(model_base):
 
     def make(**overrides):
         config = ServeConfig(model_dir=str(model_base), poll_interval_s=0, **overrides)
-        return AsgiClient(create_app(config, ServingCore(config)), loop)
+        return AppClient(create_app(config, ServingCore(config)), loop)
 
     yield make
     loop.close()

@@ -1,1 +1,1 @@
-"""The REST port: an ASGI app (TF Serving REST, KServe V2, the web page) under a hardened uvicorn protocol."""
+"""The REST port: TF Serving REST, KServe V2 and the web page, on this project's own hardened HTTP/1.1 protocol."""

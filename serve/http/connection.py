@@ -1,34 +1,42 @@
-"""uvicorn's httptools protocol, hardened for a server facing hostile clients and load balancers.
+"""One HTTP/1.1 connection of the REST port: httptools parses, this protocol guards and answers.
 
-What uvicorn (0.55) leaves open, and what this subclass adds:
-- a new connection that never sends anything stays open forever: it now gets the keep-alive
-  timeout; a request's headers must arrive within `header_timeout_s` (slowloris) and its body
-  within `body_timeout_s`, else 408;
-- no bound on header size: past `max_header_bytes` the answer is 431;
-- a too-large Content-Length is refused with 413 before the body is read;
+The server's own protocol (no ASGI server underneath): a request goes from the parser's callbacks
+straight to the app (`serve.http.routing.App`) and its answer is written in one piece (status line,
+pre-encoded headers and body in one write). What it guards against, for a server facing hostile
+clients and load balancers:
+- a new connection that never sends anything gets the keep-alive timeout; a request's headers must
+  arrive within `header_timeout_s` (slowloris) and its body within `body_timeout_s`, else 408;
+- headers past `max_header_bytes` or `MAX_HEADERS` are a 431; a Content-Length (or a chunked body)
+  past `max_body_bytes` is a 413 before the rest is read;
 - past `max_connections` open connections a new one gets an immediate 503 with Retry-After
-  instead of waiting unserved (uvicorn's `limit_concurrency` answers only after reading a request);
+  (after closing one that has waited longest without a request, if any waited EVICT_AFTER_S);
 - parser errors (garbage request line, bad Content-Length, bad chunking) are answered as JSON
-  `{"error": ...}`, like every other error of this server, not text/plain;
+  `{"error": ...}`, like every other error of this server;
 - every early answer ends with a lingering close (FIN after the response, then read and discard
   until the client closes) so the client reads the answer instead of a connection reset;
-- on drain (SIGTERM), every answer carries `Connection: close`, and a keep-alive connection is closed
-  by the server only once it has been idle for DRAIN_IDLE_S: a client that sends its next request
-  right after an answer gets it answered (with `Connection: close`) instead of a closed socket.
+- pipelined requests are answered in order, one at a time (reading pauses while one waits);
+- on drain (SIGTERM), every answer carries `Connection: close`, and a keep-alive connection is
+  closed by the server only once it has been idle for DRAIN_IDLE_S: a client that sends its next
+  request right after an answer gets it answered (with `Connection: close`) instead of a closed socket.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import http
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import httptools
 
-from serve.http.asgi import RETRY_AFTER_S, error_body
-from serve.http.uvicorn_internals import STATUS_LINE, HttpToolsProtocol
+from serve.http.routing import RETRY_AFTER_S, Request, Response, error_body
+
+if TYPE_CHECKING:
+    from serve.http.rest_server import RestServer
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,12 @@ MAX_HEADERS = 256
 EVICT_AFTER_S = 1.0
 """At the connection limit, a connection waiting this long without a complete request (an idle
 keep-alive one, or a slow client still sending headers) is closed to make room for a new one."""
+MAX_PIPELINED = 16
+"""Complete requests a connection may have waiting behind the one being answered; past this it is
+not read until the queue shrinks."""
+
+STATUS_LINES = {int(s): f"HTTP/1.1 {int(s)} {s.phrase}\r\n".encode() for s in http.HTTPStatus}
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 _IDLE, _HEADERS, _BODY, _WAITING = range(4)
 
@@ -63,6 +77,7 @@ class ConnectionLimits:
     oldest first, with the loop time they started waiting: who makes room for a new connection."""
     received: int = 0
     """Requests whose headers were read and handed to the application."""
+    answered: int = 0
     refused: int = 0
     draining: bool = False
     on_open_change: Callable[[], None] | None = None
@@ -74,31 +89,49 @@ class ConnectionLimits:
             self.on_open_change()
 
 
-def protocol_class(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
-    """A protocol class bound to `limits`, for `uvicorn.Config(http=...)`."""
-    return type("SentimentHttpProtocol", (HardenedHttpProtocol,), {"limits": limits})
+class HttpConnection(asyncio.Protocol):
+    """One client connection; made by `RestServer.protocol_factory` for each accepted socket."""
 
-
-class HardenedHttpProtocol(HttpToolsProtocol):
-    limits: ConnectionLimits
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, server: "RestServer") -> None:
+        self.server = server
+        self.app = server.app
+        self.limits: ConnectionLimits = server.limits
+        self.loop = server.loop
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.client: tuple[str, int] | None = None
         self._state = _IDLE
         self._timer: asyncio.TimerHandle | None = None
         self._timer_state = _IDLE
         """The state `_timer` guards: it fires only if the connection is still in it."""
-        self._header_bytes = 0
-        self._header_count = 0
         self._counted = False
         self._refused = False
+        self._closed = False
+        self._header_bytes = 0
+        """Bytes received since the current request began, while its headers are incomplete."""
         self._too_many_headers = False
+        self._header_count = 0
         self._header_size = 0
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._content_length: int | None = None
+        self._chunked = False
+        self._receiving: Request | None = None
+        """The request whose body the parser is reading."""
+        self._current: Request | None = None
+        """The request being answered (its handler runs, or its answer waits for its body to end)."""
+        self._current_keep_alive = True
+        self._current_done = False
+        self._pipeline: collections.deque[tuple[Request, bool]] = collections.deque()
+        self._write_paused = False
 
     # -- connection ----------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) and len(peer) >= 2 else None
+        self.server.connections.add(self)
         limits = self.limits
         if limits.open >= limits.max_connections:
             self._evict_a_waiting_connection()
@@ -112,26 +145,34 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         limits.waiting[self] = self.loop.time()
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            # uvicorn writes a response's head and body separately: without this, Nagle's algorithm
-            # holds the body until the client ACKs the head (a delayed ACK: milliseconds per request).
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # an answer is one write: send it now
         self._arm(_IDLE, limits.keepalive_timeout_s)  # the first request must begin in time
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._counted:
-            self.limits.count(-1)
-            self._counted = False
+        self._closed = True
+        self._release()
         self.limits.waiting.pop(self, None)
+        self.server.connections.discard(self)
         self._disarm()
-        super().connection_lost(exc)
+        for request in (self._receiving, self._current):
+            if request is not None:
+                request.disconnect()
+        self._pipeline.clear()
 
     def eof_received(self) -> bool | None:
         return None  # close our side too (after a refusal: the client has read the answer)
 
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._current is None and self._pipeline:
+            self._start_next()
+
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering close: read and discard
-        self._unset_keepalive_if_required()
         if self._timer is not None and self._timer_state == _IDLE:
             self._disarm()
         if self._state in (_IDLE, _HEADERS):
@@ -141,12 +182,14 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserUpgrade:
             pass  # no WebSocket here: the request was answered as plain HTTP
         except httptools.HttpParserError as exc:
+            if self._refused:
+                return
             if self._too_many_headers:
                 if self._header_count > MAX_HEADERS:
                     self._refuse(431, f"more than {MAX_HEADERS} request headers")
                 else:
                     self._refuse(431, f"request headers larger than the limit of {self.limits.max_header_bytes} bytes")
-            elif not self._refused:
+            else:
                 reason = str(exc).strip().rstrip(".") or "unparseable request"
                 self._refuse(400, f"malformed HTTP request: {reason}")
             return
@@ -161,20 +204,23 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         elif state == _BODY and self._timer is None:
             self._arm(_BODY, self.limits.body_timeout_s)
 
-    def send_400_response(self, msg: str) -> None:
-        self._refuse(400, f"malformed HTTP request: {msg.rstrip('.')}")
-
     # -- parser callbacks ------------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
         self._state = _HEADERS
+        self._url = b""
+        self._headers = []
         self._header_count = 0
         self._header_size = 0
+        self._content_length = None
+        self._chunked = False
 
     def on_url(self, url: bytes) -> None:
+        self._url += url
         self._header_size += len(url)
-        super().on_url(url)
+        if self._header_size > self.limits.max_header_bytes:
+            self._too_many_headers = True
+            raise ValueError("request line too long")  # stops the parser; data_received answers 431
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
@@ -182,43 +228,128 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         if self._header_count > MAX_HEADERS or self._header_size > self.limits.max_header_bytes:
             self._too_many_headers = True
             raise ValueError("headers too large")  # stops the parser; data_received answers 431
-        super().on_header(name, value)
+        name = name.lower()
+        if name == b"content-length":
+            self._content_length = int(value) if value.isdigit() else None
+        elif name == b"transfer-encoding" and b"chunked" in value.lower():
+            self._chunked = True
+        self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         if self._timer is not None:
             self._disarm()
         self._header_bytes = 0
         limits = self.limits
-        length, chunked = _body_framing(self.headers)
+        length = self._content_length
         if length is not None and length > limits.max_body_bytes:
             self._refuse(413, f"request body larger than the limit of {limits.max_body_bytes} bytes")
-            return
+            raise ValueError("body too large")  # stops the parser
         limits.received += 1
         limits.waiting.pop(self, None)
-        super().on_headers_complete()
-        if limits.draining and self.cycle is not None:
-            self.cycle.keep_alive = False
-        self._state = _BODY if chunked or length else _WAITING
+        raw_path, query = _split_target(self._url)
+        request = Request(self.parser.get_method().decode("ascii"), raw_path, self._headers,
+                          max_body=limits.max_body_bytes, query=query, client=self.client)
+        keep_alive = self.parser.should_keep_alive() and not limits.draining
+        has_body = self._chunked or bool(length)
+        if has_body:
+            self._receiving = request
+            self._state = _BODY
+            if self.parser.get_http_version() == "1.1" and request.header(b"expect") == "100-continue":
+                request._on_wait = self._send_continue
+        else:
+            request.finish()
+            self._state = _WAITING
+        if self._current is None:
+            self._start(request, keep_alive)
+        else:
+            self._pipeline.append((request, keep_alive))
+            if len(self._pipeline) >= MAX_PIPELINED:
+                self.transport.pause_reading()
 
     def on_body(self, body: bytes) -> None:
-        if not self._refused:
-            super().on_body(body)
+        request = self._receiving
+        if request is None or self._refused:
+            return
+        request.feed(body)
+        if self._chunked and sum(map(len, request._chunks)) > self.limits.max_body_bytes:
+            self._refuse(413, f"request body larger than the limit of {self.limits.max_body_bytes} bytes")
+            raise ValueError("body too large")
 
     def on_message_complete(self) -> None:
         if self._refused:
             return
         if self._timer is not None:
             self._disarm()
-        answered = self.cycle is not None and self.cycle.response_complete
-        self._state = _IDLE if answered else _WAITING  # answered early (e.g. 404 before the body)
-        super().on_message_complete()
+        request = self._receiving
+        self._receiving = None
+        self._state = _WAITING if self._current is not None or self._pipeline else _IDLE
+        if request is not None:
+            request.finish()
+            if self._current is request and self._current_done:
+                self._finish_current()  # answered before its body ended (a 404, a 413)
 
-    def on_response_complete(self) -> None:
-        if self._state == _WAITING:
+    # -- answering -------------------------------------------------------------------------------
+
+    def _start(self, request: Request, keep_alive: bool) -> None:
+        self._current = request
+        self._current_keep_alive = keep_alive
+        self._current_done = False
+        task = self.loop.create_task(self._answer(request, time.perf_counter()))
+        self.server.track(task)
+
+    def _start_next(self) -> None:
+        request, keep_alive = self._pipeline.popleft()
+        if len(self._pipeline) < MAX_PIPELINED and not self._closed:
+            self.transport.resume_reading()
+        self._start(request, keep_alive)
+
+    async def _answer(self, request: Request, start: float) -> None:
+        response = await self.app(request)
+        if response is None or self._closed or self._refused:
+            return
+        if self.limits.draining:
+            self._current_keep_alive = False
+        keep_alive = self._current_keep_alive
+        self._write(response, request.head, keep_alive)
+        self.limits.answered += 1
+        self.app.answered(request, response.status, time.perf_counter() - start)
+        if not keep_alive:
+            self.transport.close()
+            return
+        self._current_done = True
+        if self._receiving is not request:  # its body has ended: the connection is free
+            self._finish_current()
+
+    def _write(self, response: Response, head_only: bool, keep_alive: bool) -> None:
+        body = response.body
+        parts = [STATUS_LINES.get(response.status) or f"HTTP/1.1 {response.status} \r\n".encode(),
+                 self.server.date_header, b"content-type: ", response.content_type, b"\r\ncontent-length: ",
+                 str(len(body)).encode(), b"\r\n"]
+        for name, value in response.headers:
+            parts += [name, b": ", value, b"\r\n"]
+        parts.append(b"\r\n" if keep_alive else b"connection: close\r\n\r\n")
+        if not head_only:
+            parts.append(body)
+        self.transport.write(b"".join(parts))
+
+    def _finish_current(self) -> None:
+        self._current = None
+        self._current_done = False
+        if self._pipeline:
+            if not self._write_paused:
+                self._start_next()
+            return
+        if self._state in (_WAITING, _IDLE) and self._receiving is None:
             self._state = _IDLE
             if self._counted:
                 self.limits.waiting[self] = self.loop.time()
-        super().on_response_complete()
+            self._arm(_IDLE, self.limits.keepalive_timeout_s)
+
+    def _send_continue(self) -> None:
+        if not self._closed and not self._refused:
+            self.transport.write(CONTINUE)
+
+    # -- room at the connection limit ------------------------------------------------------------
 
     def _evict_a_waiting_connection(self) -> None:
         """Make room by closing the connection that has waited longest without sending a complete
@@ -260,7 +391,7 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         if self._state != state or self._refused or self.transport.is_closing():
             return
         if state == _IDLE:
-            self.transport.close()  # a connection that never sent a request
+            self.transport.close()  # a connection that never sent a request, or an idle keep-alive one
         elif state == _HEADERS:
             self._refuse(408, f"request headers not received within {self.limits.header_timeout_s:g}s")
         elif state == _BODY:
@@ -269,56 +400,62 @@ class HardenedHttpProtocol(HttpToolsProtocol):
     # -- early answers and drain -----------------------------------------------------------------
 
     def _refuse(self, status: int, message: str, retry: bool = False) -> None:
-        """Answer `status` with a JSON error now, then close gracefully (lingering close)."""
+        """Answer `status` with a JSON error now, then close gracefully (lingering close); the
+        answer of a request in progress, if any, is dropped."""
         self._refused = True
         self._disarm()
         self._release()  # a lingering connection does not count against the limit
         self.limits.waiting.pop(self, None)
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True  # the application's answer, if any, is dropped
-            cycle.message_event.set()
+        for request in (self._receiving, self._current):
+            if request is not None:
+                request.disconnect()
+        self._pipeline.clear()
         if self.transport.is_closing():
             return
         body = error_body(message)
-        head = [STATUS_LINE[status]]
-        for name, value in self.server_state.default_headers:
-            head += [name, b": ", value, b"\r\n"]
-        head += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
+        head = [STATUS_LINES[status], self.server.date_header,
+                b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
         if retry:
             head += [b"retry-after: ", str(RETRY_AFTER_S).encode(), b"\r\n"]
         head.append(b"connection: close\r\n\r\n")
         self.transport.write(b"".join(head) + body)
         if self.transport.can_write_eof():
             self.transport.write_eof()
+        self.transport.resume_reading()
         self._timer = self.loop.call_later(LINGER_S, self.transport.close)
         if status != 503:
             log.info("%s: %d %s", "%s:%d" % self.client if self.client else "client", status, message)
 
     def shutdown(self) -> None:
-        """Drain begins: a request in progress is answered with Connection: close (so are later ones:
+        """Drain begins: the request in progress is answered with Connection: close (so are later ones:
         `limits.draining`). An idle connection stays open for its client's next request; the
         server closes it with `close_if_idle` once it has been idle for DRAIN_IDLE_S."""
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False
+        self._current_keep_alive = False
+
+    @property
+    def busy(self) -> bool:
+        """A request is being received or answered."""
+        return self._current is not None or self._state != _IDLE
 
     def close_if_idle(self, now: float) -> None:
         """Close this connection if it has waited DRAIN_IDLE_S for a request that has not begun."""
         since = self.limits.waiting.get(self)
-        if (since is not None and now - since >= DRAIN_IDLE_S and self._state == _IDLE and not self.pipeline
+        if (since is not None and now - since >= DRAIN_IDLE_S and self._state == _IDLE and self._current is None
                 and not self._refused and not self.transport.is_closing()):
             self.transport.close()
 
 
-def _body_framing(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
-    """(Content-Length or None, chunked) of a request; the parser has already rejected bad values."""
-    length, chunked = None, False
-    for name, value in headers:
-        if name == b"content-length":
-            try:
-                length = int(value)
-            except ValueError:
-                length = None
-        elif name == b"transfer-encoding" and b"chunked" in value.lower():
-            chunked = True
-    return length, chunked
+def _split_target(url: bytes) -> tuple[str, bytes]:
+    """(raw path, query) of a request target; an absolute URL (`http://host/path`) keeps its path."""
+    if url[:1] != b"/":
+        try:
+            parsed = httptools.parse_url(url)
+        except httptools.HttpParserInvalidURLError:
+            return url.decode("latin-1"), b""
+        return (parsed.path or b"/").decode("latin-1"), parsed.query or b""
+    path, _, query = url.partition(b"?")
+    path = path.partition(b"#")[0]
+    return path.decode("latin-1"), query
+
+
+__all__ = ["ConnectionLimits", "HttpConnection", "STATUS_LINES"]

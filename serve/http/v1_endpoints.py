@@ -1,7 +1,7 @@
 """TF Serving's REST API (the V1 protocol), the friendly API, health, metrics and OpenAPI.
 
 Handlers decode HTTP into plain values (`serve.http.v1_codec`), call the shared `ServingCore`, and
-encode its answer; the core validates and raises neutral errors that `serve.http.asgi` maps to HTTP.
+encode its answer; the core validates and raises neutral errors that `serve.http.routing` maps to HTTP.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from serve.core.dataplane import ServingCore
 from serve.core.errors import InvalidArgument, ServingError
 from serve.core.metrics import CONTENT_TYPE_LATEST
 from serve.http import v1_codec as protocol
-from serve.http.asgi import Request, Response, Route, error_body, json_response
 from serve.http.openapi import openapi_spec
+from serve.http.routing import Request, Response, Route, error_body, json_response
 
 
 class RestApi:

@@ -26,7 +26,7 @@ from serve.core.dataplane import ServingCore, check_declared_shape
 from serve.core.errors import InvalidArgument
 from serve.core.loaded_model import LoadedModel
 from serve.http import v1_codec as protocol
-from serve.http.asgi import JSON, Request, Response, Route, dumps, json_response
+from serve.http.routing import JSON, Request, Response, Route, dumps, json_response
 
 SERVER_NAME = "sentiment-dtensor"
 SIGNATURE = "serving_default"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 from importlib import resources
 
-from serve.http.asgi import HttpError, Request, Response, Route
+from serve.http.routing import HttpError, Request, Response, Route
 
 # Only the server's own assets; `data:` for the empty favicon that stops a /favicon.ico request.
 CSP = b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"

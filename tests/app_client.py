@@ -1,12 +1,11 @@
-"""An in-process client for the server's ASGI app: requests go straight into the app (no sockets),
-on an event loop of their own in a background thread, as uvicorn would run it."""
+"""An in-process client for the REST port's app: requests go straight into the app (no sockets),
+on an event loop of their own in a background thread, as the server's connections run it."""
 
 from __future__ import annotations
 
 import asyncio
 import json as jsonlib
 import threading
-import urllib.parse
 from typing import Any
 
 
@@ -45,7 +44,7 @@ class Response:
         return self.headers.get("content-type", "").startswith("application/json")
 
 
-class AsgiClient:
+class AppClient:
     def __init__(self, app, loop: LoopThread) -> None:
         self.app = app
         self.loop = loop
@@ -56,33 +55,18 @@ class AsgiClient:
 
     async def send(self, method: str, path: str, *, json: Any = None, data: bytes | None = None,
                    headers: dict[str, str] | None = None) -> Response:
+        from serve.http.routing import Request
+
         body = data if data is not None else (jsonlib.dumps(json).encode() if json is not None else b"")
         raw_path, _, query = path.partition("?")
         header_list = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
         header_list.append((b"content-length", str(len(body)).encode()))
-        scope = {
-            "type": "http", "method": method, "path": urllib.parse.unquote(raw_path),
-            "raw_path": raw_path.encode("latin-1"), "query_string": query.encode("latin-1"),
-            "headers": header_list, "client": ("127.0.0.1", 1),
-        }
-        sent_body = False
-
-        async def receive() -> dict:
-            nonlocal sent_body
-            if sent_body:
-                await asyncio.Event().wait()  # like a client that sends nothing more
-            sent_body = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        messages: list[dict] = []
-
-        async def send(message: dict) -> None:
-            messages.append(message)
-
-        await self.app(scope, receive, send)
-        start = messages[0]
-        return Response(start["status"], start.get("headers", []),
-                        b"".join(m.get("body", b"") for m in messages[1:]))
+        request = Request.complete(method, raw_path, header_list, body, max_body=self.app.max_body_bytes,
+                                   query=query.encode("latin-1"), client=("127.0.0.1", 1))
+        response = await self.app(request)
+        self.app.answered(request, response.status, 0.001)  # what the connection does once it has written it
+        content = [(b"content-type", response.content_type), (b"content-length", str(len(response.body)).encode())]
+        return Response(response.status, content + response.headers, b"" if method == "HEAD" else response.body)
 
     def get(self, path: str, **kwargs) -> Response:
         return self.request("GET", path, **kwargs)

@@ -1,9 +1,9 @@
-"""A small ASGI application: one routing table, JSON errors, metrics, CORS, access log.
+"""The REST port's application: one routing table, JSON errors, metrics, CORS, access log.
 
-Deliberately framework-free: on this server's hot path every microsecond per request counts (a
-bare ASGI app under uvicorn answered about 2.5x the requests of Starlette on the same machine,
-measured 2026-12-02 with a route that parses a JSON body). Handlers take a `Request` and return a
-`Response`; they raise `ServingError`s (mapped to HTTP with TF Serving's table, `http_server.cc:
+Deliberately framework-free, and not ASGI: on this server's hot path every microsecond per request
+counts, so the connection (`serve.http.connection`) hands the app a `Request` and writes the
+`Response` it returns in one piece, with no message dicts in between. Handlers take a `Request` and
+return a `Response`; they raise `ServingError`s (mapped to HTTP with TF Serving's table, `http_server.cc:
 ToHTTPStatusCode`) or `HttpError`s (HTTP-only conditions: 404 route, 405, 413).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
+import urllib.parse
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Sequence
@@ -37,6 +37,7 @@ HTTP_STATUS = {
 """Neutral status -> HTTP status, exactly TF Serving's ToHTTPStatusCode."""
 
 RETRY_AFTER_S = 1
+_STATUS_LABELS = {status: str(status) for status in (200, 400, 404, 413, 429, 500, 503, 504)}
 
 
 class HttpError(Exception):
@@ -80,50 +81,93 @@ def error_response(exc: ServingError) -> Response:
 
 
 class Request:
-    """One HTTP request: method, path, headers from the ASGI scope; the body read on demand."""
+    """One HTTP request: what its head said, and its body as the connection receives it.
 
-    __slots__ = ("scope", "_receive", "method", "path", "raw_path", "match", "route_label", "max_body", "body_size")
+    The connection (`serve.http.connection`) makes one when a request's headers are complete and
+    hands it to the app at once; the body keeps arriving (`feed`, `finish`) while the handler runs,
+    and `await body()` waits for the rest. A request whose body came with its headers (nearly all
+    of them) never waits.
+    """
 
-    def __init__(self, scope: dict, receive: Callable[[], Awaitable[dict]], max_body: int) -> None:
-        self.scope = scope
-        self._receive = receive
-        method = scope["method"]
-        self.method = "GET" if method == "HEAD" else method
-        self.path: str = scope["path"]
-        raw = scope.get("raw_path")
-        self.raw_path: str = raw.decode("latin-1") if raw else self.path
+    __slots__ = ("method", "head", "path", "raw_path", "query", "headers", "client", "match", "route_label", "max_body",
+                 "body_size", "_chunks", "_complete", "_gone", "_waiter", "_on_wait")
+
+    def __init__(self, method: str, raw_path: str, headers: list[tuple[bytes, bytes]], *, max_body: int,
+                 query: bytes = b"", client: tuple[str, int] | None = None) -> None:
+        self.head = method == "HEAD"
+        """HEAD is answered as GET, without the body."""
+        self.method = "GET" if self.head else method
+        self.raw_path = raw_path
+        """The path as sent (still URL-encoded): TF Serving matches model names on it."""
+        self.path = urllib.parse.unquote(raw_path) if "%" in raw_path else raw_path
+        self.query = query
+        self.headers = headers
+        """(lower-case name, value) pairs, in the order sent."""
+        self.client = client
         self.match: re.Match | None = None
         self.route_label = "other"
         self.max_body = max_body
         self.body_size = 0
         """Bytes of body read (inflated size for gzip): large requests are followed by a memory trim."""
+        self._chunks: list[bytes] = []
+        self._complete = False
+        self._gone = False
+        self._waiter: asyncio.Future | None = None
+        self._on_wait: Callable[[], None] | None = None
+        """Called the first time a handler waits for body bytes (the connection sends 100 Continue)."""
+
+    @classmethod
+    def complete(cls, method: str, raw_path: str, headers: list[tuple[bytes, bytes]], body: bytes, *,
+                 max_body: int, query: bytes = b"", client: tuple[str, int] | None = None) -> "Request":
+        """A request whose body is all there (tests call the app in process with these)."""
+        request = cls(method, raw_path, headers, max_body=max_body, query=query, client=client)
+        request.feed(body)
+        request.finish()
+        return request
 
     def header(self, name: bytes) -> str | None:
-        for key, value in self.scope["headers"]:
+        for key, value in self.headers:
             if key == name:
                 return value.decode("latin-1")
         return None
 
+    # -- the connection's side -----------------------------------------------------------------
+
+    def feed(self, chunk: bytes) -> None:
+        if chunk:
+            self._chunks.append(chunk)
+
+    def finish(self) -> None:
+        """The whole body has arrived."""
+        self._complete = True
+        self._wake()
+
+    def disconnect(self) -> None:
+        """The client went away: a handler waiting for the body gets ClientGone."""
+        self._gone = True
+        self._chunks = []
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # -- the handler's side --------------------------------------------------------------------
+
     async def body(self) -> bytes:
         """The whole body (gzip inflated, as TF Serving does); 413 past `max_body` bytes."""
-        message = await self._receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        data = message.get("body", b"")
-        if message.get("more_body", False):
-            chunks, size = [data], len(data)
-            while True:
-                message = await self._receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > self.max_body:
-                    raise self._too_large()
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-            data = b"".join(chunks)
+        if not self._complete:
+            if self._gone:
+                raise ClientGone
+            if self._on_wait is not None:
+                self._on_wait()
+                self._on_wait = None
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+            if not self._complete or self._gone:
+                raise ClientGone
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.body_size = len(data)
         if len(data) > self.max_body:
             raise self._too_large()
@@ -178,7 +222,8 @@ class Route:
 
 
 class App:
-    """The ASGI callable: route, run the handler, map errors, count, log, add CORS headers."""
+    """Route a request, run its handler, map its errors to HTTP, add CORS headers; count and log
+    each answer once the connection has sent it."""
 
     def __init__(self, routes: Sequence[Route], *, metrics, max_body_bytes: int,
                  cors_origins: Sequence[str] = (), access_log_enabled: bool = False) -> None:
@@ -188,38 +233,30 @@ class App:
         self.cors_origins = tuple(cors_origins)
         self.access_log = access_log_enabled
 
-    async def __call__(self, scope: dict, receive, send) -> None:
-        if scope["type"] != "http":
-            if scope["type"] == "lifespan":  # uvicorn runs with lifespan off; answer politely anyway
-                message = await receive()
-                await send({"type": message["type"] + ".complete"})
-            return
-        start = time.perf_counter()
-        request = Request(scope, receive, self.max_body_bytes)
+    async def __call__(self, request: Request) -> Response | None:
+        """The answer to `request`; None when there is nobody to answer (the client left before its
+        body arrived, or the server abandoned the request at shutdown)."""
         metrics = self.metrics
         metrics.in_flight += 1
         try:
             response = await self._respond(request)
-        except (ClientGone, asyncio.CancelledError):  # nobody to answer, or abandoned at shutdown
-            response = None
+        except (ClientGone, asyncio.CancelledError):
+            return None
         finally:
             metrics.in_flight -= 1
-        if response is None:
-            return
         if self.cors_origins:
             self._add_cors(request, response)
-        headers = [(b"content-type", response.content_type), (b"content-length", str(len(response.body)).encode())]
-        headers += response.headers
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        await send({"type": "http.response.body", "body": response.body})
-        elapsed = time.perf_counter() - start
-        metrics.observe_request(request.route_label, str(response.status), elapsed)
+        return response
+
+    def answered(self, request: Request, status: int, elapsed_s: float) -> None:
+        """After the answer was written: metrics, a memory trim after a large body, the access log."""
+        self.metrics.observe_request(request.route_label, _STATUS_LABELS.get(status) or str(status), elapsed_s)
         memory.after_request(request.body_size)
         if self.access_log:
-            client = scope.get("client") or ("-", 0)
-            query = scope.get("query_string") or b""
-            target = request.raw_path + ("?" + query.decode("latin-1") if query else "")
-            access_log.info('%s "%s %s" %d %.1fms', client[0], scope["method"], target, response.status, elapsed * 1e3)
+            client = request.client or ("-", 0)
+            target = request.raw_path + ("?" + request.query.decode("latin-1") if request.query else "")
+            method = "HEAD" if request.head else request.method
+            access_log.info('%s "%s %s" %d %.1fms', client[0], method, target, status, elapsed_s * 1e3)
 
     async def _respond(self, request: Request) -> Response:
         try:
@@ -253,7 +290,7 @@ class App:
             methods = sorted(allowed | ({"HEAD"} if "GET" in allowed else set()))
             raise HttpError(405, f"Method Not Allowed: {request.method} {request.path} (allowed: {', '.join(methods)})",
                             [(b"allow", ", ".join(methods).encode())])
-        raise HttpError(404, f"Not Found: no route for {request.scope['method']} {request.path}")
+        raise HttpError(404, f"Not Found: no route for {'HEAD' if request.head else method} {request.path}")
 
     def _add_cors(self, request: Request, response: Response) -> None:
         origin = request.header(b"origin")
