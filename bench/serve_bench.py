@@ -4,8 +4,8 @@
                                 [--concurrency 1,8,32,64,256] [--batch-rows 16]
 
 Measured side by side, each load level in --rounds slices that alternate which server goes first:
-  - `serve`:    python -m serve (1 worker), TF Serving REST :predict;
-  - `serve x2`: python -m serve --workers 2;
+  - `serve`:    python -m serve with its defaults (one worker per CPU), TF Serving REST :predict;
+  - `serve x1`: python -m serve --workers 1;
   - `naive`:    one Flask route calling the SavedModel once per request, under waitress (64 threads),
                 the same request and response JSON (needs `pip install -e ".[bench]"`);
   - `baseline`: with --baseline CHECKOUT, python -m serve of that checkout (an earlier commit);
@@ -245,6 +245,23 @@ def peak_rss_mb(pid: int) -> float:
     return total / 1024
 
 
+def print_front_end_targets(serve: dict[str, dict], model_s: dict[int, float]) -> None:
+    """The front end against the model alone (same run): what it costs on top of the model."""
+    print("\nthe server (defaults) against the model alone (same run):")
+    if "c=1" in serve:
+        budget = model_s[1] * 1e3 + 0.3
+        p50 = serve["c=1"]["p50_ms"]
+        print(f"  c=1:   p50 {p50:.2f} ms, the model's batch-1 call {model_s[1] * 1e3:.2f} ms + 0.3 ms = "
+              f"{budget:.2f} ms: {'met' if p50 <= budget else 'not met'}")
+    if "c=32" in serve:
+        p99 = serve["c=32"]["p99_ms"]
+        print(f"  c=32:  p99 {p99:.1f} ms (<= 20 ms): {'met' if p99 <= 20 else 'not met'}")
+    if "c=256" in serve:
+        ratio = serve["c=256"]["rps"] / (64 / model_s[64])
+        print(f"  c=256: {serve['c=256']['rps']:,.0f} reviews/s, {ratio:.2f}x the model's own rate at batch 64 "
+              f"(>= 0.8x): {'met' if ratio >= 0.8 else 'not met'}")
+
+
 def fmt(r: dict, reviews: bool = False) -> str:
     errors = ", ".join(f"{k}:{v}" for k, v in {**r["non200"], **r["socket_errors"]}.items()) or "0"
     rate = r["reviews_per_s"] if reviews else r["rps"]
@@ -258,7 +275,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="slices per level, alternating the server order")
     p.add_argument("--concurrency", default="1,8,32,64,256", help="connections per level (single-review requests)")
     p.add_argument("--batch-rows", type=int, default=16, help="reviews per request in the multi-review row (c=32)")
-    p.add_argument("--servers", default="serve,serve x2,naive", help="which servers to measure")
+    p.add_argument("--servers", default="serve,serve x1,naive", help="which servers to measure")
     p.add_argument("--serve-args", default="", help="extra arguments for python -m serve")
     p.add_argument("--baseline", metavar="CHECKOUT",
                    help="also measure python -m serve of another checkout of this repository (e.g. a git "
@@ -296,7 +313,7 @@ def main() -> None:
                  "--poll-interval", "0", "--log-level", "WARNING", *a.serve_args.split()]
     commands = {
         "serve": [*serve_cmd, "--port", str(ports.get("serve", 0))],
-        "serve x2": [*serve_cmd, "--port", str(ports.get("serve x2", 0)), "--workers", "2"],
+        "serve x1": [*serve_cmd, "--port", str(ports.get("serve x1", 0)), "--workers", "1"],
         "naive": [sys.executable, __file__, "--naive-server", "--model-dir", a.model_dir,
                   "--port", str(ports.get("naive", 0))],
         "baseline": [*serve_cmd, "--port", str(ports.get("baseline", 0))],
@@ -326,7 +343,7 @@ def main() -> None:
             for s in servers:
                 results[s][key] = merge(slices[s], rows)
                 print(f"  {key:<10} {s:<9} {fmt(results[s][key], rows > 1)}", file=sys.stderr, flush=True)
-        shares = worker_shares(ports["serve x2"]) if "serve x2" in servers else {}
+        shares = worker_shares(ports["serve"]) if "serve" in servers else {}
         peaks = {s: peak_rss_mb(proc.pid) for s, proc in procs.items()}
     finally:
         for proc in procs.values():
@@ -350,15 +367,17 @@ def main() -> None:
         print(line)
     print("\npeak resident memory of each server, all its processes: "
           + ", ".join(f"{s} {mb:,.0f} MB" for s, mb in peaks.items()))
-    if shares:
-        print("\nserve x2: share of the requests per worker (whole run): "
+    if len(shares) > 1:
+        print("\nserve: share of the requests per worker (whole run): "
               + ", ".join(f"worker {w} {share:.1%}" for w, share in shares.items()))
     print(f"\nin-process model call (no HTTP): 1 review {rate[1] * 1e3:.2f} ms ({1 / rate[1]:,.0f} reviews/s); "
           f"64 reviews {rate[64] * 1e3:.2f} ms ({64 / rate[64]:,.0f} reviews/s)")
+    if "serve" in servers:
+        print_front_end_targets(results["serve"], rate)
     if "naive" in servers and "serve" in servers:
         s32, n32 = results["serve"]["c=32"], results["naive"]["c=32"]
         s1, n1 = results["serve"]["c=1"], results["naive"]["c=1"]
-        print("\ntargets (same run):")
+        print("\nagainst the naive route (same run):")
         print(f"  c=32: {s32['rps'] / n32['rps']:.1f}x the naive route (>= 8x) and p99 {s32['p99_ms']:.1f} ms (<= 10 ms)")
         print(f"  c=1:  {s1['rps'] / n1['rps']:.2f}x the naive route (>= 1x)")
         if "c=256" in results["serve"]:

@@ -65,7 +65,9 @@ class ServeConfig:
     port: int = option(8501, "REST port (TF Serving's default REST port)")
     grpc_port: int = option(0, "TF Serving gRPC API port (TF Serving uses 8500); 0: no gRPC")
     workers: int = option(
-        1, "server processes sharing the ports, each with its own model copy, batcher and reload poller"
+        0, "server processes sharing the ports, each with its own model copy (~600 MB for the default "
+           "model), batcher and reload poller; 0: one per CPU this process may use (its CPU affinity "
+           "and cgroup CPU limit)"
     )
 
     max_connections: int = option(
@@ -139,7 +141,9 @@ class ServeConfig:
             raise ValueError("--version-policy specific needs --versions N[,M...]")
         if self.version_policy != "specific" and self.versions:
             raise ValueError("--versions is only valid with --version-policy specific")
-        for name in ("workers", "max_batch_size", "max_queued_rows", "num_batch_threads", "max_body_bytes",
+        if self.workers < 0:
+            raise ValueError(f"--workers {self.workers}: must be 0 (one per CPU) or more")
+        for name in ("max_batch_size", "max_queued_rows", "num_batch_threads", "max_body_bytes",
                      "max_rows_per_request", "max_text_bytes", "max_connections", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be at least 1")
@@ -156,6 +160,38 @@ class ServeConfig:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be in 0..65535")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"--log-level {self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity, capped by a cgroup CPU limit (a container's
+    `--cpus`, a Kubernetes CPU limit), which the affinity does not show."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cpus, quota)) if quota else max(1, cpus)
+
+
+def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> int | None:
+    """The cgroup's CPU limit rounded up to whole CPUs (v2 `cpu.max`, v1 `cpu.cfs_quota_us`); None if none."""
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            with open(os.path.join(root, quota_file)) as handle:
+                fields = handle.read().split()
+            if period_file is not None:
+                with open(os.path.join(root, period_file)) as handle:
+                    fields.append(handle.read().strip())
+        except OSError:
+            continue
+        if len(fields) < 2 or fields[0] in ("max", "-1"):
+            return None
+        try:
+            quota, period = int(fields[0]), int(fields[1])
+        except ValueError:
+            return None
+        return -(-quota // period) if quota > 0 and period > 0 else None
+    return None
 
 
 def configure_logging(config: ServeConfig, worker: int | None = None) -> None:

@@ -5,11 +5,12 @@ the HTTP layer; the single-process path imports the worker when it starts it."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 
-from serve.config import DEFAULT_MODEL_DIR, EXIT_STARTUP, ServeConfig, configure_logging
+from serve.config import DEFAULT_MODEL_DIR, EXIT_STARTUP, ServeConfig, configure_logging, usable_cpus
 from serve.core.model_config_file import ModelConfigError, config_sources
 from serve.sockets import StartupError, bind_socket
 
@@ -31,6 +32,8 @@ def serve(config: ServeConfig) -> int:
     except (StartupError, ModelConfigError) as exc:
         print(f"serve: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
+    if config.workers == 0:
+        config = dataclasses.replace(config, workers=usable_cpus())
     if config.workers == 1:
         from serve.worker import run_worker
 

@@ -62,6 +62,11 @@ class ServerProcess:
         # As a user would start it: the server keeps TensorFlow's C++ lines out of its log itself.
         env = {**{k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}, "PYTHONUNBUFFERED": "1",
                **(env or {})}
+        if "--workers" not in args:
+            # One process unless a test asks for more: it starts in half the time and memory. The
+            # default (one worker per CPU) is what test_readme's first command and the --workers
+            # tests run.
+            args = (*args, "--workers", "1")
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "serve", *(model_args or ("--model-dir", str(model_dir))), "--host", "127.0.0.1",
              "--port", str(self.port), *args],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 import threading
@@ -56,6 +57,26 @@ def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
     with pytest.raises(ValueError) as info:
         ServeConfig(model_dir="m", **kwargs)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("files, cpus", [
+    ({"cpu.max": "150000 100000\n"}, 2),  # cgroup v2, `--cpus 1.5`: rounded up
+    ({"cpu.max": "max 100000\n"}, None),  # no limit
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+])
+def test_default_workers_follow_the_cgroup_cpu_limit(tmp_path, files, cpus):
+    from serve.config import _cgroup_cpu_quota, usable_cpus
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _cgroup_cpu_quota(str(tmp_path)) == cpus
+    assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
+    assert ServeConfig(model_dir="m").workers == 0  # resolved to usable_cpus() when the server starts
+    with pytest.raises(ValueError, match="--workers -1: must be 0"):
+        ServeConfig(model_dir="m", workers=-1)
 
 
 def test_version_policies():
@@ -149,6 +170,22 @@ def test_batcher_merges_concurrent_requests_and_returns_each_its_slice():
         np.testing.assert_array_equal(result["y"], np.arange(i, i + 2) * 2)
     assert max(model.calls) > 2 and max(model.calls) <= 16 and sum(model.calls) == 64
     assert set(model.threads) == {"model_0"}  # the model runs off the event loop
+
+
+@pytest.mark.parametrize("delay, alone, threads", [
+    (0.0, True, ["model_0", "MainThread", "MainThread"]),  # fast and alone: no hop to the model thread
+    (0.0, False, ["model_0", "model_0", "model_0"]),  # other requests in flight: they may batch
+    (0.01, True, ["model_0", "model_0", "model_0"]),  # slower than INLINE_MAX_S: keeps the loop free
+])
+def test_a_request_alone_on_a_fast_model_runs_without_the_thread_hop(delay, alone, threads):
+    model = Doubler(delay=delay)
+
+    async def three(batcher):
+        return [await batcher.submit(model, {"x": np.array([i])}, 5) for i in range(3)]
+
+    results = run_batcher(three, max_batch_size=8, batch_timeout_s=0, alone=lambda: alone)
+    assert [int(r["y"][0]) for r in results] == [0, 2, 4]
+    assert model.threads == threads
 
 
 def test_batcher_overload_fails_fast():

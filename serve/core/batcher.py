@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -28,9 +27,29 @@ from serve.core.errors import DeadlineExceeded, Internal, InvalidArgument, Servi
 
 log = logging.getLogger(__name__)
 
+INLINE_MAX_S = 0.002
+"""A single-row model call this fast may run on the event loop when its request is alone (see
+`Batcher._run_inline`): the loop is blocked no longer than a request's own parsing takes at load."""
+
 Arrays = Mapping[str, np.ndarray]
 Runner = Callable[[Arrays], Mapping[str, np.ndarray]]
 """A model call: input arrays (rows on axis 0) -> output arrays with the same rows."""
+
+
+class _Arrival:
+    """`with batcher.receiving():` - counts a request being read; one object per batcher, reused
+    (a generator-based context manager per request costs more than the count it keeps)."""
+
+    __slots__ = ("batcher",)
+
+    def __init__(self, batcher: "Batcher") -> None:
+        self.batcher = batcher
+
+    def __enter__(self) -> None:
+        self.batcher.arriving += 1
+
+    def __exit__(self, *_exc: object) -> None:
+        self.batcher.arriving -= 1
 
 
 class _Request:
@@ -53,9 +72,12 @@ class Batcher:
         num_threads: int = 1,
         overloaded: Callable[[str], ServingError],
         on_batch: Callable[[int, int, float], None] | None = None,
+        alone: Callable[[], bool] | None = None,
     ) -> None:
         """`overloaded(message)` builds the error for a full queue (429 or 503, per config);
-        `on_batch(rows, requests, seconds)` is called after every model call (metrics).
+        `on_batch(rows, requests, seconds)` is called after every model call (metrics);
+        `alone()` says whether the caller of `submit` is the only request the server is handling
+        (then a fast model is called at once, see `submit`).
 
         Merging requests does not change their answers: the exported model computes each row on
         its own (`common.model.output_layer`), so no row is padded or reordered here.
@@ -76,6 +98,12 @@ class Batcher:
         self.arriving = 0
         """Requests received by an edge that will submit soon (see `receiving`); a batch waits (up
         to `batch_timeout_s`) for them only."""
+        self._arrival = _Arrival(self)
+        self._alone = alone
+        self._running = 0
+        """Model calls running now (in the executor or inline)."""
+        self._inline_ok = False
+        """The last single-row call took under INLINE_MAX_S: the next one alone may run inline."""
 
     @property
     def queued_rows(self) -> int:
@@ -88,16 +116,11 @@ class Batcher:
         self._workers = [self._loop.create_task(self._work(), name=f"batcher-{i}") for i in range(self._num_threads)]
         return self
 
-    @contextlib.contextmanager
-    def receiving(self) -> Iterator[None]:
+    def receiving(self) -> _Arrival:
         """Wrap the reading and decoding of a request that will submit here: meanwhile a batch
         about to run waits for it (up to `batch_timeout_s`), and stops waiting as soon as it is
         decoded, submitted or failed."""
-        self.arriving += 1
-        try:
-            yield
-        finally:
-            self.arriving -= 1
+        return self._arrival
 
     async def submit(self, runner: Runner, inputs: Arrays, timeout_s: float) -> dict[str, np.ndarray]:
         """Run `runner` on `inputs` as part of a batch; the result, or DeadlineExceeded after `timeout_s`."""
@@ -108,6 +131,9 @@ class Batcher:
             raise self._overloaded(
                 f"server overloaded: {self._queued_rows} rows queued (max {self.max_queued_rows}); retry later"
             )
+        if rows == 1 and self._inline_ok and not self._queue and not self._running and not self.arriving \
+                and self._alone is not None and self._alone():
+            return self._run_inline(runner, inputs)
         future = self._loop.create_future()
         self._queue.append(_Request(runner, inputs, rows, future))
         self._queued_rows += rows
@@ -117,6 +143,25 @@ class Batcher:
             return await future
         finally:
             timer.cancel()
+
+    def _run_inline(self, runner: Runner, inputs: Arrays) -> dict[str, np.ndarray]:
+        """A request alone, on a model that answers one row quickly: called here, on the event loop,
+        without the hop to the model thread and back (there is nothing to batch it with, and nothing
+        else for the loop to do meanwhile). A call that turns out slow sends the next ones back to
+        the model thread."""
+        self._running += 1
+        start = time.perf_counter()
+        try:
+            outputs = runner(inputs)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            raise _as_serving_error(exc) from None
+        finally:
+            self._running -= 1
+            seconds = time.perf_counter() - start
+            self._inline_ok = seconds < INLINE_MAX_S
+        if self._on_batch is not None:
+            self._on_batch(1, 1, seconds)
+        return dict(outputs)
 
     async def close(self, timeout: float | None = None) -> None:
         """Stop accepting work, finish what is queued, stop the workers and the model threads."""
@@ -203,17 +248,26 @@ class Batcher:
             merged = {name: np.concatenate([r.inputs[name] for r in batch]) for name in batch[0].inputs}
         rows = sum(r.rows for r in batch)
         start = time.perf_counter()
+        self._running += 1
         try:
             outputs = await self._loop.run_in_executor(self._executor, runner, merged)
         except Exception as exc:  # noqa: BLE001 - reported to each caller
+            self._running -= 1
             if len(batch) > 1:
                 for request in batch:  # one bad request must not fail its batch-mates: retry each alone
                     await self._run([request])
                 return
             _fail(batch[0].future, _as_serving_error(exc))
             return
+        except BaseException:  # cancelled at shutdown
+            self._running -= 1
+            raise
+        self._running -= 1
+        seconds = time.perf_counter() - start
+        if rows == 1:
+            self._inline_ok = seconds < INLINE_MAX_S
         if self._on_batch is not None:
-            self._on_batch(rows, len(batch), time.perf_counter() - start)
+            self._on_batch(rows, len(batch), seconds)
         offset = 0
         for request in batch:
             if not request.future.done():

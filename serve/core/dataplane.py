@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import numpy as np
 
@@ -100,6 +100,7 @@ class ServingCore:
             overloaded=Overloaded if self.config.overload_status == 429 else Unavailable,
             on_batch=lambda rows, requests, seconds, name=source.name: self.metrics.observe_batch(
                 name, rows, requests, seconds),
+            alone=lambda: self.metrics.in_flight <= 1,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -283,16 +284,14 @@ class ServingCore:
             raise Unavailable(f"model {model.name} was removed from the server's config")
         return await batcher.submit(model.runner(signature_name), inputs, timeout)
 
-    @contextlib.contextmanager
-    def receiving(self, name: str) -> Iterator[None]:
+    def receiving(self, name: str) -> ContextManager[None]:
         """Edges read and decode a request for model `name` inside this block, so that the model's
         batcher waits for it (and for such requests only) before running a batch."""
         batcher = self.batchers.get(name)
-        if batcher is None:
-            yield
-            return
-        with batcher.receiving():
-            yield
+        return _NOT_BATCHED if batcher is None else batcher.receiving()
+
+
+_NOT_BATCHED = contextlib.nullcontext()
 
 
 # -- validation, once for every edge -------------------------------------------------------------
