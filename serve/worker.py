@@ -20,7 +20,7 @@ import resource
 import signal
 import socket
 
-from serve.config import EXIT_ABANDONED, EXIT_OK, EXIT_STARTUP, ServeConfig, configure_logging
+from serve.config import EXIT_ABANDONED, EXIT_OK, EXIT_STARTUP, ServeConfig, configure_logging, usable_cpus
 from serve.core.dataplane import ServingCore
 from serve.core.metrics import PeerMetrics
 from serve.core.model_config_file import ModelConfigError, config_sources, file_fingerprint, read_model_config
@@ -99,7 +99,13 @@ class _Worker:
             serving = self._serve_rest()
         # TensorFlow is imported once, here, before the model loaders and the gRPC edge need it: two
         # threads importing it at the same time deadlock in its module locks.
-        await asyncio.to_thread(importlib.import_module, "tensorflow")
+        tf = await asyncio.to_thread(importlib.import_module, "tensorflow")
+        if self.index is not None:
+            # One of several workers: each takes its share of the CPUs for the model's thread pools,
+            # instead of every worker's pools spanning all of them (and fighting over them).
+            share = max(1, usable_cpus() // self.config.workers)
+            tf.config.threading.set_intra_op_parallelism_threads(share)
+            tf.config.threading.set_inter_op_parallelism_threads(share)
         if not self.draining:
             await self.core.start()
         if serving is None:
