@@ -7,6 +7,7 @@ declaring 200 million strings is rejected before anything is allocated.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -21,15 +22,26 @@ _VALUE_FIELDS = {
     "DT_INT64": "int64_val", "DT_UINT64": "uint64_val", "DT_BOOL": "bool_val", "DT_HALF": "half_val",
 }
 
+@functools.cache
+def _dtype_names() -> dict[int, str]:
+    """DataType enum number -> name (`types_pb2.DataType.Name` builds lists on every call)."""
+    from tensorflow.core.framework import types_pb2
+
+    return {number: name for name, number in types_pb2.DataType.items()}
+
+
+@functools.cache
+def _dtype_numbers() -> dict[str, int]:
+    return {name: number for number, name in _dtype_names().items()}
+
+
 def from_tensor_proto(proto: Any, where: str) -> np.ndarray:
     """A TensorProto -> numpy, refusing any tensor whose declared shape disagrees with its values.
 
     The declared shape itself (known rank, sizes, element count) is checked by the core first
     (`check_declared_shape`), so nothing here allocates more than the limits allow.
     """
-    from tensorflow.core.framework import types_pb2
-
-    dtype = types_pb2.DataType.Name(proto.dtype) if proto.dtype in types_pb2.DataType.values() else str(proto.dtype)
+    dtype = _dtype_names().get(proto.dtype) or str(proto.dtype)
     dims = [d.size for d in proto.tensor_shape.dim]
     count = math.prod(dims)
     if dtype == "DT_STRING":
@@ -60,13 +72,13 @@ def from_tensor_proto(proto: Any, where: str) -> np.ndarray:
 
 def to_tensor_proto(array: np.ndarray) -> Any:
     """numpy -> TensorProto (strings as string_val, numbers as tensor_content)."""
-    from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
+    from tensorflow.core.framework import tensor_pb2
 
-    proto = tensor_pb2.TensorProto(
-        tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in array.shape])
-    )
+    proto = tensor_pb2.TensorProto()
+    for size in array.shape:
+        proto.tensor_shape.dim.add().size = size
     name = dtype_name(array)
-    proto.dtype = types_pb2.DataType.Value(name)
+    proto.dtype = _dtype_numbers()[name]
     if name == "DT_STRING":
         proto.string_val.extend(array.ravel().tolist())
     else:
