@@ -9,7 +9,10 @@ Measured side by side, each load level in --rounds slices that alternate which s
   - `naive`:    one Flask route calling the SavedModel once per request, under waitress (64 threads),
                 the same request and response JSON (needs `pip install -e ".[bench]"`);
   - `baseline`: with --baseline CHECKOUT, python -m serve of that checkout (an earlier commit);
-  - the in-process model call (no HTTP) for 1 and 64 reviews per call.
+  - the in-process model call (no HTTP) for 1 and 64 reviews per call;
+  - on `serve` (defaults) also, at c=1, 32 and 256: KServe V2 REST `infer` (wrk), and TF Serving gRPC
+    `Predict` with `h2load` (Debian's `nghttp2-client`; skipped without it), the gRPC answer checked
+    once with `nghttp` to carry grpc-status 0 (h2load counts HTTP statuses only).
 Load: `wrk` (Debian package `wrk`; a Python load generator saturates before these servers do), one
 thread, keep-alive connections, one real ~170-word review per request (from ../shared/data/imdb when
 present, else a built-in review of the same length), plus a row of --batch-rows reviews per request.
@@ -111,6 +114,17 @@ def review_text() -> tuple[str, str]:
                 if 165 <= len(text.split()) <= 175:
                     return text, f"an IMDB test review ({len(text.split())} words)"
     return BUILT_IN_REVIEW, f"the built-in review ({len(BUILT_IN_REVIEW.split())} words)"
+
+
+def port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port() -> int:
@@ -245,6 +259,75 @@ def peak_rss_mb(pid: int) -> float:
     return total / 1024
 
 
+def grpc_frame(path: Path, text: str, model: str) -> None:
+    """A TF Serving PredictRequest of one review as a gRPC message (0, 4-byte big-endian length,
+    the serialized request): the body h2load sends."""
+    import struct
+
+    from tensorflow_serving.apis import predict_pb2
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = model
+    tensor = request.inputs["text"]
+    tensor.dtype = 7  # DT_STRING
+    tensor.tensor_shape.dim.add().size = 1
+    tensor.string_val.append(text.encode())
+    data = request.SerializeToString()
+    path.write_bytes(b"\0" + struct.pack(">I", len(data)) + data)
+
+
+GRPC_HEADERS = ["-H", "content-type: application/grpc", "-H", "te: trailers"]
+
+
+def check_grpc(port: int, frame: Path) -> None:
+    """One call with nghttp: the answer must carry grpc-status 0, or the h2load figures mean nothing."""
+    if shutil.which("nghttp") is None:
+        return
+    out = subprocess.run(["nghttp", "-v", *GRPC_HEADERS, "-d", str(frame),
+                          f"http://127.0.0.1:{port}/tensorflow.serving.PredictionService/Predict"],
+                         capture_output=True, text=True, errors="replace", timeout=30).stdout
+    if "grpc-status: 0" not in out:
+        raise SystemExit(f"gRPC Predict did not answer grpc-status 0:\n{out[-2000:]}")
+
+
+def run_h2load(port: int, frame: Path, connections: int, seconds: float) -> dict:
+    """TF Serving gRPC Predict under h2load: one stream at a time per connection, like wrk's requests."""
+    import re
+
+    out = subprocess.run(["h2load", f"-c{connections}", "-m1", f"-D{max(1, round(seconds))}", *GRPC_HEADERS,
+                          "-d", str(frame), f"http://127.0.0.1:{port}/tensorflow.serving.PredictionService/Predict"],
+                         capture_output=True, text=True, check=True).stdout
+    done = re.search(r"finished in ([\d.]+)s, ([\d.]+) req/s", out)
+    counts = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed", out)
+    mean = re.search(r"time for request:\s+\S+\s+\S+\s+(\S+)", out)
+    return {"rps": int(counts.group(2)) / float(done.group(1)), "failed": int(counts.group(3)),
+            "mean": mean.group(1) if mean else "?"}
+
+
+def protocol_rows(port: int, name: str, work: Path, script: Path, text: str, seconds: float) -> list[str]:
+    """REST :predict, V2 infer and gRPC Predict on one server, level by level, alternating."""
+    v2 = work / "v2.json"
+    v2.write_text(json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [text]}]}))
+    rest = work / "one.json"
+    frame = work / "predict.grpc"
+    grpc_port = port + 1
+    h2load = shutil.which("h2load") is not None
+    if h2load:
+        grpc_frame(frame, text, name)
+        check_grpc(grpc_port, frame)
+    lines = []
+    for c in (1, 32, 256):
+        r = merge([run_wrk(port, f"/v1/models/{name}:predict", rest, script, c, seconds)], 1)
+        v = merge([run_wrk(port, f"/v2/models/{name}/infer", v2, script, c, seconds)], 1)
+        line = f"c={c:<8} | {r['rps']:>8,.0f} | {v['rps']:>8,.0f} ({v['rps'] / r['rps']:.2f}x)"
+        if h2load:
+            g = run_h2load(grpc_port, frame, c, seconds)
+            line += f" | {g['rps']:>8,.0f} ({g['rps'] / r['rps']:.2f}x, mean {g['mean']}, failed {g['failed']})"
+        lines.append(line)
+        print(f"  protocols {line}", file=sys.stderr, flush=True)
+    return lines
+
+
 def print_front_end_targets(serve: dict[str, dict], model_s: dict[int, float]) -> None:
     """The front end against the model alone (same run): what it costs on top of the model."""
     print("\nthe server (defaults) against the model alone (same run):")
@@ -309,10 +392,12 @@ def main() -> None:
     rate = model_call_rate(a.model_dir, text)
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     ports = {s: free_port() for s in servers}
+    while "serve" in servers and not port_free(ports["serve"] + 1):
+        ports["serve"] = free_port()  # its gRPC port is the next one
     serve_cmd = [sys.executable, "-m", "serve", "--model-dir", a.model_dir, "--host", "127.0.0.1",
                  "--poll-interval", "0", "--log-level", "WARNING", *a.serve_args.split()]
     commands = {
-        "serve": [*serve_cmd, "--port", str(ports.get("serve", 0))],
+        "serve": [*serve_cmd, "--port", str(ports.get("serve", 0)), "--grpc-port", str(ports.get("serve", 0) + 1)],
         "serve x1": [*serve_cmd, "--port", str(ports.get("serve x1", 0)), "--workers", "1"],
         "naive": [sys.executable, __file__, "--naive-server", "--model-dir", a.model_dir,
                   "--port", str(ports.get("naive", 0))],
@@ -343,6 +428,7 @@ def main() -> None:
             for s in servers:
                 results[s][key] = merge(slices[s], rows)
                 print(f"  {key:<10} {s:<9} {fmt(results[s][key], rows > 1)}", file=sys.stderr, flush=True)
+        protocols = protocol_rows(ports["serve"], name, work, script, text, a.duration / 2) if "serve" in servers else []
         shares = worker_shares(ports["serve"]) if "serve" in servers else {}
         peaks = {s: peak_rss_mb(proc.pid) for s, proc in procs.items()}
     finally:
@@ -365,6 +451,11 @@ def main() -> None:
         if "naive" in servers and "serve" in servers and results["naive"][key]["rps"]:
             line += f"| {results['serve'][key]['rps'] / results['naive'][key]['rps']:.2f}x"
         print(line)
+    if protocols:
+        print("\nserve (defaults), one review per request, the same server for each protocol (rate, x REST's):")
+        print(f"{'load':<10} | {'REST':>8} | {'V2 REST infer':<15} | TF Serving gRPC Predict (h2load)")
+        for line in protocols:
+            print(line)
     print("\npeak resident memory of each server, all its processes: "
           + ", ".join(f"{s} {mb:,.0f} MB" for s, mb in peaks.items()))
     if len(shares) > 1:
