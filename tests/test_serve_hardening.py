@@ -94,6 +94,38 @@ def test_head_answers_like_get_without_a_body(server):
     assert int(response.headers["Content-Length"]) == len(requests.get(f"{server.url}/v1/models/{MODEL_NAME}").content)
 
 
+def _read_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """`count` responses read in order from one connection: (status, body)."""
+    reader = sock.makefile("rb")
+    answers = []
+    for _ in range(count):
+        status = int(reader.readline().split()[1])
+        length = 0
+        while (line := reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        answers.append((status, reader.read(length)))
+    return answers
+
+
+def test_pipelined_chunked_and_expect_continue_requests_are_answered_in_order(server):
+    chunked = (f"POST {PREDICT} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+               f"{len(BODY) - 5:x}\r\n").encode() + BODY[:-5] + b"\r\n5\r\n" + BODY[-5:] + b"\r\n0\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(request_bytes(method="GET", path="/nope", body=b"") + request_bytes() + chunked
+                     + request_bytes(method="GET", path="/healthz", body=b""))
+        answers = _read_answers(sock, 4)
+    assert [status for status, _ in answers] == [404, 200, 200, 200], answers
+    assert answers[1][1] == answers[2][1] and json.loads(answers[3][1]) == {"status": "ok"}
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(request_bytes(body=b"", extra=f"Content-Length: {len(BODY)}\r\nExpect: 100-continue\r\n")
+                     .replace(b"Content-Length: 0\r\n", b""))
+        assert sock.recv(64) == b"HTTP/1.1 100 Continue\r\n\r\n"  # before any of the body is sent
+        sock.sendall(BODY)
+        assert _read_answers(sock, 1)[0] == answers[1]
+
+
 # -- slow clients and connection floods ------------------------------------------------------------
 
 def _slow_clients(port: int, n: int) -> list[socket.socket]:
