@@ -271,7 +271,7 @@ class HttpConnection(asyncio.Protocol):
         if request is None or self._refused:
             return
         request.feed(body)
-        if self._chunked and sum(map(len, request._chunks)) > self.limits.max_body_bytes:
+        if self._chunked and request.received > self.limits.max_body_bytes:
             self._refuse(413, f"request body larger than the limit of {self.limits.max_body_bytes} bytes")
             raise ValueError("body too large")
 

@@ -90,7 +90,7 @@ class Request:
     """
 
     __slots__ = ("method", "head", "path", "raw_path", "query", "headers", "client", "match", "route_label", "max_body",
-                 "body_size", "_chunks", "_complete", "_gone", "_waiter", "_on_wait")
+                 "body_size", "_body", "_complete", "_gone", "_waiter", "_on_wait")
 
     def __init__(self, method: str, raw_path: str, headers: list[tuple[bytes, bytes]], *, max_body: int,
                  query: bytes = b"", client: tuple[str, int] | None = None) -> None:
@@ -109,7 +109,9 @@ class Request:
         self.max_body = max_body
         self.body_size = 0
         """Bytes of body read (inflated size for gzip): large requests are followed by a memory trim."""
-        self._chunks: list[bytes] = []
+        self._body: bytes | bytearray = b""
+        """The body so far: the first chunk as it came (nearly always the only one), later ones
+        appended in place (a body sent in many tiny chunks costs no object per chunk)."""
         self._complete = False
         self._gone = False
         self._waiter: asyncio.Future | None = None
@@ -134,8 +136,17 @@ class Request:
     # -- the connection's side -----------------------------------------------------------------
 
     def feed(self, chunk: bytes) -> None:
-        if chunk:
-            self._chunks.append(chunk)
+        if not self._body:
+            self._body = chunk
+        elif chunk:
+            if not isinstance(self._body, bytearray):
+                self._body = bytearray(self._body)
+            self._body += chunk
+
+    @property
+    def received(self) -> int:
+        """Body bytes received so far."""
+        return len(self._body)
 
     def finish(self) -> None:
         """The whole body has arrived."""
@@ -145,7 +156,7 @@ class Request:
     def disconnect(self) -> None:
         """The client went away: a handler waiting for the body gets ClientGone."""
         self._gone = True
-        self._chunks = []
+        self._body = b""
         self._wake()
 
     def _wake(self) -> None:
@@ -166,8 +177,7 @@ class Request:
             await self._waiter
             if not self._complete or self._gone:
                 raise ClientGone
-        chunks = self._chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        data = self._body if isinstance(self._body, bytes) else bytes(self._body)
         self.body_size = len(data)
         if len(data) > self.max_body:
             raise self._too_large()
