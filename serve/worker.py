@@ -67,6 +67,7 @@ class _Worker:
         self.grpc_server = None
         self.grpc_stopped: asyncio.Future | None = None
         self.draining = False
+        self._freezing: asyncio.Future | None = None
 
     def on_signal(self, signum: int) -> None:
         if self.draining:
@@ -116,7 +117,7 @@ class _Worker:
             _freeze_heap()
             serving = self._serve_rest()
         else:
-            asyncio.ensure_future(self._freeze_when_ready())
+            self._freezing = asyncio.ensure_future(self._freeze_when_ready())  # kept: a task nobody holds may vanish
         if self.config.grpc_port and not self.draining:
             from serve.grpc.servicer import GrpcServer
 

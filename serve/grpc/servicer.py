@@ -327,6 +327,7 @@ class Health:
                 if status != last:
                     yield self.pb.HealthCheckResponse(status=status).SerializeToString()
                     last = status
+                    continue  # the send took time: the drain may have begun meanwhile, say so first
                 if self.closing.is_set():
                     return
                 with contextlib.suppress(asyncio.TimeoutError):
