@@ -61,8 +61,10 @@ class AppClient:
         raw_path, _, query = path.partition("?")
         header_list = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
         header_list.append((b"content-length", str(len(body)).encode()))
-        request = Request.complete(method, raw_path, header_list, body, max_body=self.app.max_body_bytes,
-                                   query=query.encode("latin-1"), client=("127.0.0.1", 1))
+        request = Request(method, raw_path, header_list, max_body=self.app.max_body_bytes,
+                          query=query.encode("latin-1"), client=("127.0.0.1", 1))
+        request.feed(body)  # all of it at once, as a connection does for a body that came with its head
+        request.finish()
         response = await self.app(request)
         self.app.answered(request, response.status, 0.001)  # what the connection does once it has written it
         content = [(b"content-type", response.content_type), (b"content-length", str(len(response.body)).encode())]

@@ -26,7 +26,7 @@ from common.classes import CLASS_NAMES
 from common.tf_serving import CLASSIFY_METHOD
 from serve.config import ServeConfig
 from serve.core.batcher import Batcher
-from serve.core.dtypes import NUMPY_DTYPES, dtype_name, short_dtype
+from serve.core.dtypes import NUMPY_DTYPES, bytes_array, dtype_name, short_dtype
 from serve.core.errors import InvalidArgument, NotFound, Overloaded, ServingError, Unavailable
 from serve.core.loaded_model import LoadedModel, Signature, TensorInfo
 from serve.core.metrics import Metrics, PeerMetrics
@@ -262,9 +262,7 @@ class ServingCore:
     async def sentiment(self, texts: Sequence[bytes], name: str | None = None) -> tuple[int, list[Sentiment]]:
         """Sentiment of each (UTF-8) text with the latest version; returns (version, results)."""
         model = self.model(name or self.default_model)
-        values = np.empty(len(texts), dtype=object)
-        values[:] = list(texts)
-        out = await self.predict(model, "serving_default", {TEXT_INPUT: values},
+        out = await self.predict(model, "serving_default", {TEXT_INPUT: bytes_array(texts)},
                                  row_label=lambda _name, i: f"texts[{i}]")
         results = []
         for label, row in zip(out["label"].tolist(), out["probabilities"]):

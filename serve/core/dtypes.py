@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -12,6 +12,13 @@ NUMPY_DTYPES: dict[str, Any] = {
     "DT_UINT32": np.uint32, "DT_UINT64": np.uint64, "DT_BOOL": np.bool_, "DT_HALF": np.float16,
 }
 """TF dtype enum names -> numpy dtypes (DT_STRING is an object array of bytes)."""
+
+
+def bytes_array(values: Sequence[bytes]) -> np.ndarray:
+    """A 1-D object array of byte strings (a DT_STRING tensor's values), one element per value."""
+    array = np.empty(len(values), dtype=object)
+    array[:] = list(values)
+    return array
 
 
 def dtype_name(array: np.ndarray) -> str:

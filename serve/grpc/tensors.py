@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from serve.core.dtypes import NUMPY_DTYPES, dtype_name
+from serve.core.dtypes import NUMPY_DTYPES, bytes_array, dtype_name
 from serve.core.errors import InvalidArgument
 
 _VALUE_FIELDS = {
@@ -48,9 +48,7 @@ def from_tensor_proto(proto: Any, where: str) -> np.ndarray:
         values = proto.string_val
         if len(values) != count:
             raise InvalidArgument(f"{where}: the tensor shape {dims} declares {count} values but {len(values)} are given")
-        array = np.empty(count, dtype=object)
-        array[:] = list(values)
-        return array.reshape(dims)
+        return bytes_array(values).reshape(dims)
     numpy_dtype = NUMPY_DTYPES.get(dtype)
     if numpy_dtype is None:
         raise InvalidArgument(f"{where}: unsupported dtype {dtype}")

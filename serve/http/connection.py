@@ -249,7 +249,7 @@ class HttpConnection(asyncio.Protocol):
         raw_path, query = _split_target(self._url)
         request = Request(self.parser.get_method().decode("ascii"), raw_path, self._headers,
                           max_body=limits.max_body_bytes, query=query, client=self.client)
-        keep_alive = self.parser.should_keep_alive() and not limits.draining
+        keep_alive = self.parser.should_keep_alive()
         has_body = self._chunked or bool(length)
         if has_body:
             self._receiving = request
@@ -307,9 +307,7 @@ class HttpConnection(asyncio.Protocol):
         response = await self.app(request)
         if response is None or self._closed or self._refused:
             return
-        if self.limits.draining:
-            self._current_keep_alive = False
-        keep_alive = self._current_keep_alive
+        keep_alive = self._current_keep_alive and not self.limits.draining  # draining: Connection: close
         self._write(response, request.head, keep_alive)
         self.limits.answered += 1
         self.app.answered(request, response.status, time.perf_counter() - start)
@@ -425,17 +423,6 @@ class HttpConnection(asyncio.Protocol):
         self._timer = self.loop.call_later(LINGER_S, self.transport.close)
         if status != 503:
             log.info("%s: %d %s", "%s:%d" % self.client if self.client else "client", status, message)
-
-    def shutdown(self) -> None:
-        """Drain begins: the request in progress is answered with Connection: close (so are later ones:
-        `limits.draining`). An idle connection stays open for its client's next request; the
-        server closes it with `close_if_idle` once it has been idle for DRAIN_IDLE_S."""
-        self._current_keep_alive = False
-
-    @property
-    def busy(self) -> bool:
-        """A request is being received or answered."""
-        return self._current is not None or self._state != _IDLE
 
     def close_if_idle(self, now: float) -> None:
         """Close this connection if it has waited DRAIN_IDLE_S for a request that has not begun."""

@@ -59,10 +59,10 @@ class RestServer:
             log.error("answering a request failed", exc_info=task.exception())
 
     def begin_drain(self) -> None:
-        """Every answer from now on carries Connection: close, the one in progress included."""
+        """Every answer from now on carries Connection: close, the one in progress included (each
+        connection looks at `limits.draining` when it writes an answer); an idle keep-alive
+        connection is closed by `drain` once it has been idle for DRAIN_IDLE_S."""
         self.limits.draining = True
-        for connection in list(self.connections):
-            connection.shutdown()
 
     async def drain(self, gate: AcceptGate | None, timeout_s: float) -> int:
         """Stop accepting (the connections already queued on the socket are taken first: closing it

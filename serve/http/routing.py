@@ -37,7 +37,6 @@ HTTP_STATUS = {
 """Neutral status -> HTTP status, exactly TF Serving's ToHTTPStatusCode."""
 
 RETRY_AFTER_S = 1
-_STATUS_LABELS = {status: str(status) for status in (200, 400, 404, 413, 429, 500, 503, 504)}
 
 
 class HttpError(Exception):
@@ -117,15 +116,6 @@ class Request:
         self._waiter: asyncio.Future | None = None
         self._on_wait: Callable[[], None] | None = None
         """Called the first time a handler waits for body bytes (the connection sends 100 Continue)."""
-
-    @classmethod
-    def complete(cls, method: str, raw_path: str, headers: list[tuple[bytes, bytes]], body: bytes, *,
-                 max_body: int, query: bytes = b"", client: tuple[str, int] | None = None) -> "Request":
-        """A request whose body is all there (tests call the app in process with these)."""
-        request = cls(method, raw_path, headers, max_body=max_body, query=query, client=client)
-        request.feed(body)
-        request.finish()
-        return request
 
     def header(self, name: bytes) -> str | None:
         for key, value in self.headers:
@@ -260,7 +250,7 @@ class App:
 
     def answered(self, request: Request, status: int, elapsed_s: float) -> None:
         """After the answer was written: metrics, a memory trim after a large body, the access log."""
-        self.metrics.observe_request(request.route_label, _STATUS_LABELS.get(status) or str(status), elapsed_s)
+        self.metrics.observe_request(request.route_label, str(status), elapsed_s)
         memory.after_request(request.body_size)
         if self.access_log:
             client = request.client or ("-", 0)

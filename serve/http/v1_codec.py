@@ -22,7 +22,7 @@ import orjson
 
 from common.versions import version_number
 from serve.core.dataplane import CLASSIFY_FEATURES, check_rows
-from serve.core.dtypes import NUMPY_DTYPES
+from serve.core.dtypes import NUMPY_DTYPES, bytes_array
 from serve.core.errors import InvalidArgument
 from serve.core.loaded_model import Signature
 
@@ -242,9 +242,7 @@ def _texts(values: list[Any]) -> np.ndarray | None:
         encoded = [value.encode("utf-8", "surrogatepass") for value in values]
     except AttributeError:
         return None
-    array = np.empty(len(encoded), dtype=object)
-    array[:] = encoded
-    return array
+    return bytes_array(encoded)
 
 
 def instances_label(_name: str, row: int) -> str:
