@@ -3,8 +3,6 @@ Inference Protocol (`v2_endpoints`) and the web page, over one shared `ServingCo
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from serve.config import ServeConfig
 from serve.core.dataplane import ServingCore
 from serve.http import v1_endpoints, v2_endpoints, web
@@ -14,7 +12,7 @@ from serve.http.routing import App
 def create_app(config: ServeConfig, core: ServingCore) -> App:
     """The REST port's app on a shared core (started by the caller, on the serving loop)."""
     return App(
-        v1_endpoints.routes(v1_endpoints.RestApi(config, core)) + v2_endpoints.routes(v2_endpoints.V2Api(core, _version()))
+        v1_endpoints.routes(v1_endpoints.RestApi(config, core)) + v2_endpoints.routes(v2_endpoints.V2Api(core))
         + web.routes(web.WebPage(core.default_model)),
         metrics=core.metrics,
         max_body_bytes=config.max_body_bytes,
@@ -22,9 +20,3 @@ def create_app(config: ServeConfig, core: ServingCore) -> App:
         access_log_enabled=config.access_log,
     )
 
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("sentiment-dtensor")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"

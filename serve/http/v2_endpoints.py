@@ -15,45 +15,31 @@ decodes and encodes: the core validates and runs the model.
 
 from __future__ import annotations
 
-import struct
 import urllib.parse
 from typing import Any
 
 import numpy as np
 
 from common.versions import version_number
-from serve.core.dataplane import ServingCore, check_declared_shape
+from serve.core import open_inference as oip
+from serve.core.dataplane import ServingCore
 from serve.core.errors import InvalidArgument
 from serve.core.loaded_model import LoadedModel
 from serve.http import v1_codec as protocol
 from serve.http.routing import JSON, Request, Response, Route, dumps, json_response
 
-SERVER_NAME = "sentiment-dtensor"
-SIGNATURE = "serving_default"
 HEADER_LENGTH = b"inference-header-content-length"
-
-DATATYPES = {
-    "DT_STRING": "BYTES", "DT_FLOAT": "FP32", "DT_DOUBLE": "FP64", "DT_HALF": "FP16", "DT_INT8": "INT8",
-    "DT_INT16": "INT16", "DT_INT32": "INT32", "DT_INT64": "INT64", "DT_UINT8": "UINT8", "DT_UINT16": "UINT16",
-    "DT_UINT32": "UINT32", "DT_UINT64": "UINT64", "DT_BOOL": "BOOL",
-}
-"""TF dtype names -> V2 datatypes."""
-NUMPY = {
-    "FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT8": np.int8, "INT16": np.int16,
-    "INT32": np.int32, "INT64": np.int64, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
-    "UINT64": np.uint64, "BOOL": np.bool_,
-}
 
 
 class V2Api:
-    def __init__(self, core: ServingCore, version: str) -> None:
+    def __init__(self, core: ServingCore) -> None:
         self.core = core
-        self.version = version
+        self.version = oip.server_version()
 
     # -- server --------------------------------------------------------------------------------
 
     async def server_metadata(self, _request: Request) -> Response:
-        return json_response({"name": SERVER_NAME, "version": self.version, "extensions": ["binary_tensor_data"]})
+        return json_response({"name": oip.SERVER_NAME, "version": self.version, "extensions": oip.EXTENSIONS})
 
     async def live(self, _request: Request) -> Response:
         return json_response({"live": True})
@@ -81,13 +67,13 @@ class V2Api:
         name, model = self._model(request)
         if verb == "ready":
             return json_response({"name": name, "ready": True})
-        signature = model.signature(SIGNATURE)
+        signature = model.signature(oip.SIGNATURE)
         return json_response({
             "name": name,
             "versions": [str(v) for v in self.core.live_versions(name)],
-            "platform": "tensorflow_savedmodel",
-            "inputs": [_tensor_metadata(n, info) for n, info in signature.inputs.items()],
-            "outputs": [_tensor_metadata(n, info) for n, info in signature.outputs.items()],
+            "platform": oip.PLATFORM,
+            "inputs": [oip.tensor_metadata(n, info) for n, info in signature.inputs.items()],
+            "outputs": [oip.tensor_metadata(n, info) for n, info in signature.outputs.items()],
         })
 
     async def infer(self, request: Request) -> Response:
@@ -97,12 +83,12 @@ class V2Api:
             header_length = request.header(HEADER_LENGTH)
             head, binary = _split_body(body, header_length)
             infer = protocol.parse_json(head, self.core.config.max_rows_per_request)
-            signature = model.signature(SIGNATURE)
+            signature = model.signature(oip.SIGNATURE)
             inputs = _decode_inputs(infer, signature, binary, self.core.config)
             wanted, binary_out = _requested_outputs(infer, signature)
             if not isinstance(infer.get("id", ""), str):
                 raise InvalidArgument(f"'id' must be a string, got {protocol.describe(infer['id'])}")
-        outputs = await self.core.predict(model, SIGNATURE, inputs, row_label=lambda n, i: f"input {n!r} element {i}")
+        outputs = await self.core.predict(model, oip.SIGNATURE, inputs, row_label=lambda n, i: f"input {n!r} element {i}")
         response: dict[str, Any] = {"model_name": name, "model_version": str(model.version)}
         if "id" in infer:
             response["id"] = infer["id"]
@@ -118,11 +104,6 @@ class V2Api:
             return Response(head, 200, JSON)
         return Response(head + b"".join(chunks), 200, b"application/octet-stream",
                         [(HEADER_LENGTH, str(len(head)).encode())])
-
-
-def _tensor_metadata(name: str, info) -> dict[str, Any]:  # noqa: ANN001 - models.TensorInfo
-    return {"name": name, "datatype": DATATYPES.get(info.dtype, info.dtype),
-            "shape": list(info.shape) if info.shape is not None else [-1]}
 
 
 def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
@@ -167,23 +148,16 @@ def _decode_inputs(infer: dict, signature, binary: bytes, config) -> dict[str, n
         name = tensor["name"]
         if name in arrays:
             raise InvalidArgument(f"input {name!r} is given twice")
-        if name not in signature.inputs:
-            raise InvalidArgument(f"unexpected inference input {name!r}; the model takes {sorted(signature.inputs)}")
-        expected = DATATYPES.get(signature.inputs[name].dtype)
-        datatype = tensor.get("datatype")
-        if datatype != expected:
-            raise InvalidArgument(f"input {name!r}: datatype {datatype!r}, the model expects {expected}")
-        shape = tensor.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
+        datatype, shape = tensor.get("datatype"), tensor.get("shape")
+        if not isinstance(shape, list):
             raise InvalidArgument(f"input {name!r}: 'shape' must be a list of non-negative integers")
-        count = check_declared_shape(signature, name, shape, config)
+        count = oip.check_input(signature, name, datatype, shape, config)
         parameters = _parameters(tensor, f"input {name!r}")
         if "binary_data_size" in parameters:
             size = parameters["binary_data_size"]
             if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
                 raise InvalidArgument(f"input {name!r}: binary_data_size {size!r} does not fit the binary data")
-            values = _from_binary(binary[offset:offset + size], datatype, count, name)
+            values = oip.from_raw(binary[offset:offset + size], datatype, count, name)
             offset += size
         else:
             values = _from_json(tensor.get("data"), datatype, count, len(shape), name)
@@ -230,30 +204,9 @@ def _from_json(data: Any, datatype: str, count: int, rank: int, name: str) -> np
             array[i] = value.encode("utf-8", "surrogatepass")
         return array
     try:
-        return np.asarray(values, dtype=NUMPY[datatype])
+        return np.asarray(values, dtype=oip.NUMPY[datatype])
     except (TypeError, ValueError, OverflowError):
         raise InvalidArgument(f"input {name!r}: 'data' must be {datatype} numbers") from None
-
-
-def _from_binary(raw: bytes, datatype: str, count: int, name: str) -> np.ndarray:
-    if datatype != "BYTES":
-        itemsize = np.dtype(NUMPY[datatype]).itemsize
-        if len(raw) != count * itemsize:
-            raise InvalidArgument(f"input {name!r}: {len(raw)} bytes of binary data for {count} {datatype} elements")
-        return np.frombuffer(raw, dtype=NUMPY[datatype]).copy()
-    if len(raw) < 4 * count:  # every element has a 4-byte length: check before allocating
-        raise InvalidArgument(f"input {name!r}: {len(raw)} bytes of binary data cannot hold {count} BYTES elements")
-    array, at = np.empty(count, dtype=object), 0
-    for i in range(count):
-        (length,) = struct.unpack_from("<I", raw, at)
-        at += 4
-        if at + length > len(raw):
-            raise InvalidArgument(f"input {name!r}: binary BYTES element {i} is longer than the data")
-        array[i] = raw[at:at + length]
-        at += length
-    if at != len(raw):
-        raise InvalidArgument(f"input {name!r}: {len(raw) - at} bytes of binary data after the {count} elements")
-    return array
 
 
 def _requested_outputs(infer: dict, signature) -> tuple[list[str], dict[str, bool]]:  # noqa: ANN001
@@ -268,23 +221,18 @@ def _requested_outputs(infer: dict, signature) -> tuple[list[str], dict[str, boo
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise InvalidArgument(f"outputs[{i}]: expected an object with a 'name'")
         name = output["name"]
-        if name not in signature.outputs:
-            raise InvalidArgument(f"unexpected inference output {name!r}; the model has {sorted(signature.outputs)}")
+        oip.check_output(signature, name)
         wanted.append(name)
         binary[name] = _flag(_parameters(output, f"output {name!r}"), "binary_data", default_binary, f"output {name!r}")
     return wanted, binary
 
 
 def _encode_output(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
-    datatype = "BYTES" if array.dtype == object else next(
-        (k for k, v in NUMPY.items() if np.dtype(v) == array.dtype), str(array.dtype))
+    datatype = oip.datatype_of(array)
     tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
     flat = array.ravel()
     if binary:
-        if datatype == "BYTES":
-            chunk = b"".join(struct.pack("<I", len(v)) + v for v in flat.tolist())
-        else:
-            chunk = np.ascontiguousarray(flat).tobytes()
+        chunk = oip.to_raw(array)
         tensor["parameters"] = {"binary_data_size": len(chunk)}
         return tensor, chunk
     if datatype == "BYTES":
