@@ -111,11 +111,14 @@ def test_malformed_infer_json(server, body, error):
 
 
 def test_binary_data_that_does_not_add_up_is_400(server):
-    for size, binary, error in [(8, b"\x05\x00\x00\x00good", "binary BYTES element 0 is longer than the data"),
-                                (9, b"\x04\x00\x00\x00goodX", "1 bytes of binary data after the 1 elements"),
-                                (9, b"\x04\x00\x00\x00good", "binary_data_size 9 does not fit the binary data")]:
-        head = ('{"inputs":[{"name":"text","datatype":"BYTES","shape":[1],"parameters":{"binary_data_size":%d}}]}'
-                % size).encode()
+    for rows, size, binary, error in [
+        (1, 8, b"\x05\x00\x00\x00good", "binary BYTES element 0 is longer than the data"),
+        (1, 9, b"\x04\x00\x00\x00goodX", "1 bytes of binary data after the 1 elements"),
+        (1, 9, b"\x04\x00\x00\x00good", "binary_data_size 9 does not fit the binary data"),
+        (2, 8, b"\x04\x00\x00\x00good", "the binary data ends before BYTES element 1 of 2"),
+    ]:
+        head = ('{"inputs":[{"name":"text","datatype":"BYTES","shape":[%d],"parameters":{"binary_data_size":%d}}]}'
+                % (rows, size)).encode()
         r = requests.post(f"{server.url}/v2/models/{MODEL_NAME}/infer", data=head + binary, timeout=10,
                           headers={"Inference-Header-Content-Length": str(len(head))})
         assert r.status_code == 400 and error in r.json()["error"], r.text

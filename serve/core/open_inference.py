@@ -83,6 +83,8 @@ def from_raw(raw: bytes, datatype: str, count: int, name: str) -> np.ndarray:
         raise InvalidArgument(f"input {name!r}: {len(raw)} bytes of binary data cannot hold {count} BYTES elements")
     array, at = np.empty(count, dtype=object), 0
     for i in range(count):
+        if at + 4 > len(raw):
+            raise InvalidArgument(f"input {name!r}: the binary data ends before BYTES element {i} of {count}")
         (length,) = struct.unpack_from("<I", raw, at)
         at += 4
         if at + length > len(raw):

@@ -1,4 +1,5 @@
-"""The gRPC edge: TF Serving's `PredictionService` and `ModelService` on grpc.aio, sharing the core.
+"""The gRPC edge: TF Serving's `PredictionService` and `ModelService`, and the Open Inference
+Protocol's `inference.GRPCInferenceService` (`serve.grpc.open_inference`), on grpc.aio, sharing the core.
 
 Clients use the stubs of `tensorflow-serving-api` unchanged (`PredictionServiceStub.Predict`,
 `Classify`, `GetModelMetadata`; `ModelServiceStub.GetModelStatus`, `HandleReloadConfigRequest`). Handlers run on the same
@@ -46,6 +47,7 @@ from serve.core.dataplane import (
 from serve.core.errors import InvalidArgument, ServingError
 from serve.core.loaded_model import LoadedModel
 from serve.core.model_config_file import ModelConfigError, sources_from_config
+from serve.grpc import open_inference
 from serve.grpc.tensors import from_tensor_proto, to_tensor_proto
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ log = logging.getLogger(__name__)
 PREDICTION_SERVICE = "tensorflow.serving.PredictionService"
 MODEL_SERVICE = "tensorflow.serving.ModelService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
-HEALTH_SERVICES = ("", PREDICTION_SERVICE, MODEL_SERVICE)
+HEALTH_SERVICES = ("", PREDICTION_SERVICE, MODEL_SERVICE, open_inference.SERVICE)
 """Names the Health service answers for ("" is the whole server, what Kubernetes asks by default)."""
 HEALTH_POLL_S = 0.25
 HEALTH_FAREWELL_S = 1.0
@@ -67,11 +69,12 @@ Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 class GrpcApi:
-    """Handlers for TF Serving's two services, bound to one core."""
+    """Handlers for TF Serving's two services and V2's, bound to one core."""
 
     def __init__(self, config: ServeConfig, core: ServingCore) -> None:
         self.config = config
         self.core = core
+        self.open_inference = open_inference.OpenInferenceGrpc(config, core)
         self.in_flight = 0
 
     def _model(self, spec) -> LoadedModel:
@@ -188,6 +191,7 @@ class GrpcApi:
                 "HandleReloadConfigRequest": ("reload_config", model_management_pb2.ReloadConfigRequest,
                                               self.handle_reload_config),
             },
+            open_inference.SERVICE: self.open_inference.methods(),
         }
         out = [
             grpc.method_handlers_generic_handler(service, {
@@ -343,7 +347,7 @@ class Health:
 
 
 class GrpcServer:
-    """A grpc.aio server on the serving loop: TF Serving's two services and the standard
+    """A grpc.aio server on the serving loop: TF Serving's two services, V2's, and the standard
     `grpc.health.v1.Health` (SERVING once every model has a live version; Kubernetes gRPC probes)."""
 
     def __init__(self, config: ServeConfig, core: ServingCore, *, reuse_port: bool = False) -> None:
@@ -371,7 +375,7 @@ class GrpcServer:
 
     async def start(self) -> "GrpcServer":
         await self._server.start()
-        log.info("gRPC on %s:%d (PredictionService, ModelService, Health)", self.config.host, self.port)
+        log.info("gRPC on %s:%d (PredictionService, ModelService, GRPCInferenceService, Health)", self.config.host, self.port)
         return self
 
     async def stop(self, grace_s: float) -> int:
