@@ -1,11 +1,13 @@
-"""Python client of the sentiment model behind TF Serving's REST or gRPC API.
+"""Python client of the sentiment model behind TF Serving's REST or gRPC API, or the Open
+Inference Protocol (KServe V2) over gRPC.
 
     from client import SentimentClient
 
     client = SentimentClient("http://localhost:8501", model="sentiment")
     client.predict(["great movie"])  # [Prediction(text='great movie', label='positive', score=0.97, ...)]
 
-The REST transport (the default) needs only `requests`; `transport="grpc"` imports TensorFlow.
+The REST transport (the default) needs only `requests`; `transport="grpc"` (TF Serving) and
+`transport="grpc-v2"` need grpcio and protobuf (`pip install "sentiment-client[grpc]"`), never TensorFlow.
 """
 
 import logging

@@ -1,4 +1,4 @@
-"""`python -m client "great movie" "dull plot" [--file reviews.txt] [--url URL] [--json]`
+"""`python -m client "great movie" "dull plot" [--file reviews.txt] [--url URL] [--transport T] [--json]`
 
 Prints one line per text: label, score (probability of the label) and the text, tab-separated;
 `--json` prints a JSON array of {text, label, score, probabilities} instead.
@@ -16,6 +16,7 @@ import os
 import sys
 
 from client import ClientError, InvalidURL, SentimentClient, ServerUnavailable
+from client.client import TRANSPORTS
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 
@@ -25,17 +26,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to classify")
     p.add_argument("--file", help="read texts from this file, one per line ('-': stdin); blank lines are skipped")
     p.add_argument("--url", default=os.environ.get("SENTIMENT_URL"),
-                   help="server: http://host:8501 (REST, default) or host:8500 with --transport grpc "
-                        "(default: $SENTIMENT_URL, else localhost)")
+                   help="server: http://host:8501 (REST, default) or host:8500 with --transport grpc or "
+                        "grpc-v2 (default: $SENTIMENT_URL, else localhost)")
     p.add_argument("--model", default=os.environ.get("SENTIMENT_MODEL", "sentiment"), help="model name (default: sentiment)")
-    p.add_argument("--transport", choices=["rest", "grpc"], default="rest")
+    p.add_argument("--transport", choices=TRANSPORTS, default="rest",
+                   help="rest: TF Serving's REST API (default); grpc: TF Serving's gRPC API; "
+                        "grpc-v2: the Open Inference Protocol (KServe V2) over gRPC")
     p.add_argument("--version", type=int, default=None, help="model version (default: latest)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default: 10)")
     p.add_argument("--retries", type=int, default=3, help="retries on 429/503/connection errors (default: 3)")
     p.add_argument("--batch-size", type=int, default=64, help="texts per request (default: 64)")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="first wait until the model is ready")
     p.add_argument("--json", action="store_true", help="print a JSON array instead of text lines")
-    p.add_argument("-v", "--verbose", action="store_true", help="log retries (and TensorFlow's C++ lines with gRPC)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log retries")
     args = p.parse_args(argv)
     if args.file:
         try:
@@ -47,19 +50,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.texts:
         p.error("no texts: give TEXT arguments or --file PATH")
     if args.url is None:
-        args.url = "localhost:8500" if args.transport == "grpc" else "http://localhost:8501"
+        args.url = "http://localhost:8501" if args.transport == "rest" else "localhost:8500"
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
-    if args.transport == "grpc":
+    if args.transport != "rest":
         try:
-            _import_grpc_transport(quiet=not args.verbose and "TF_CPP_MIN_LOG_LEVEL" not in os.environ)
+            import client.grpc_transport  # noqa: F401
         except ImportError as exc:
-            print(f"error: --transport grpc needs the gRPC extra: pip install \"sentiment-client[grpc]\" ({exc})",
-                  file=sys.stderr)
+            print(f"error: --transport {args.transport} needs the gRPC extra: pip install \"sentiment-client[grpc]\" "
+                  f"({exc})", file=sys.stderr)
             return EXIT_USAGE
     try:
         with SentimentClient(args.url, args.model, transport=args.transport, version=args.version,
@@ -86,25 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         for p in predictions:
             print(f"{p.label}\t{p.score:.4f}\t{p.text}")
     return 0
-
-
-def _import_grpc_transport(quiet: bool) -> None:
-    """Import the gRPC transport (grpcio, tensorflow-serving-api and so TensorFlow). Unless `quiet`
-    is False, TensorFlow's C++ start-up lines are kept off the terminal: they are printed before
-    its logging honours TF_CPP_MIN_LOG_LEVEL, so stderr is pointed at /dev/null during the import."""
-    if not quiet:
-        import client.grpc_transport  # noqa: F401
-        return
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        import client.grpc_transport  # noqa: F401
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 if __name__ == "__main__":

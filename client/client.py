@@ -1,15 +1,16 @@
 """`SentimentClient`: typed predictions from a sentiment model behind TF Serving's API.
 
-A thin facade over a transport (`client.rest.RestTransport` or `client.grpc_transport.GrpcTransport`,
-kept apart from it as requests keeps its adapters apart from sessions): it splits long lists into
-requests, retries what is safe to retry, and turns raw outputs into `Prediction`s. It speaks only
-TensorFlow Serving's protocol (REST `:predict` with `instances`, model status, model metadata; or
-the gRPC PredictionService/ModelService), so it works against this project's `python -m serve`
-and against a real `tensorflow_model_server` alike.
+A thin facade over a transport (`client.rest.RestTransport`, or from `client.grpc_transport`
+`GrpcTransport` and `V2GrpcTransport`, kept apart from it as requests keeps its adapters apart from
+sessions): it splits long lists into requests, retries what is safe to retry, and turns raw
+outputs into `Prediction`s. Transports:
+- "rest": TensorFlow Serving's REST API (`:predict` with `instances`, model status, metadata);
+- "grpc": TensorFlow Serving's gRPC PredictionService/ModelService;
+- "grpc-v2": the Open Inference Protocol (KServe V2) over gRPC (Triton, KServe, MLServer speak it).
+So it works against this project's `python -m serve` and a real `tensorflow_model_server` alike.
 
-The REST transport needs only `requests` (TensorFlow is never imported); the gRPC transport
-imports TensorFlow and `tensorflow-serving-api` (`pip install "sentiment-client[grpc]"`) when it
-is first created.
+The REST transport needs only `requests`; the gRPC ones need grpcio and protobuf
+(`pip install "sentiment-client[grpc]"`). TensorFlow is never imported.
 
     with SentimentClient("http://localhost:8501", model="sentiment") as client:
         client.wait_until_ready(timeout=30)
@@ -33,7 +34,8 @@ from client.results import CLASS_NAMES, ModelVersionStatus, Prediction, RawPredi
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Transport = Literal["rest", "grpc"]
+Transport = Literal["rest", "grpc", "grpc-v2"]
+TRANSPORTS = ("rest", "grpc", "grpc-v2")
 
 
 class _Transport(Protocol):
@@ -47,7 +49,7 @@ class SentimentClient:
     """Client of one model on one server. Reuse one instance: it pools connections (up to
     `pool_size`, shared by threads calling it concurrently).
 
-    url: `http://host:8501` for REST, `host:8500` (or `grpc://host:8500`) for gRPC.
+    url: `http://host:8501` for REST, `host:8500` (or `grpc://host:8500`) for either gRPC transport.
     model: the model name (`/v1/models/NAME`); version / version_label pin a version (default: latest).
     timeout: seconds per attempt of every call (connect and read); override per call.
     retries: extra attempts after 429/503 responses and connection errors (gRPC: UNAVAILABLE,
@@ -74,8 +76,8 @@ class SentimentClient:
         class_names: Sequence[str] = CLASS_NAMES,
         session: requests.Session | None = None,
     ) -> None:
-        if transport not in ("rest", "grpc"):
-            raise ValueError(f"transport={transport!r}: expected 'rest' or 'grpc'")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
         if version is not None and version_label is not None:
             raise ValueError("give version or version_label, not both")
         if timeout <= 0:
@@ -99,11 +101,12 @@ class SentimentClient:
             self._transport = RestTransport(url, model, version, version_label, pool_size=pool_size, session=session)
         else:
             try:
-                from client.grpc_transport import GrpcTransport  # imports TensorFlow
+                from client.grpc_transport import GrpcTransport, V2GrpcTransport
             except ImportError as exc:
-                raise ClientError(f"the gRPC transport needs grpcio and tensorflow-serving-api "
+                raise ClientError(f"the gRPC transports need grpcio and protobuf "
                                   f"(pip install \"sentiment-client[grpc]\"): {exc}") from None
-            self._transport = GrpcTransport(url, model, version, version_label)
+            kind = GrpcTransport if transport == "grpc" else V2GrpcTransport
+            self._transport = kind(url, model, version, version_label)
 
     def __repr__(self) -> str:
         return f"SentimentClient({self.url!r}, model={self.model!r}, transport={self.transport!r})"

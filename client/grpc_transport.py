@@ -1,51 +1,64 @@
-"""gRPC transport: TF Serving's PredictionService/ModelService through `tensorflow-serving-api`.
+"""gRPC transports: TF Serving's PredictionService/ModelService (`GrpcTransport`) and the Open
+Inference Protocol's GRPCInferenceService (`V2GrpcTransport`).
 
-Imported only when a client is created with `transport="grpc"`: the stubs need TensorFlow's
-protos (and so TensorFlow itself), which the REST transport avoids.
+Both use the messages generated into `client.protos` from the protocols' .proto files, so they
+need grpcio and protobuf only (`pip install "sentiment-client[grpc]"`), never TensorFlow.
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Sequence
 
 import grpc
-import tensorflow as tf
 from google.protobuf import json_format
-from tensorflow_serving.apis import (
+
+from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, ModelNotFound, ServerUnavailable
+from client.protos import (
     get_model_metadata_pb2,
     get_model_status_pb2,
+    grpc_predict_v2_pb2,
+    grpc_predict_v2_pb2_grpc,
     model_service_pb2_grpc,
     predict_pb2,
     prediction_service_pb2_grpc,
+    status_pb2,
+    types_pb2,
 )
-
 from client.results import ModelVersionStatus, RawPrediction
-from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, ModelNotFound, ServerUnavailable
 
 _MAX_MESSAGE = 64 * 1024 * 1024
 _STATES = get_model_status_pb2.ModelVersionStatus.State
+_ERROR_CODES = status_pb2.StatusProto.DESCRIPTOR.fields_by_name["error_code"].enum_type
+_FLOAT_FIELDS = {types_pb2.DT_FLOAT: ("float_val", "<f"), types_pb2.DT_DOUBLE: ("double_val", "<d")}
+
+
+def _channel(target: str) -> tuple[str, grpc.Channel]:
+    for scheme in ("grpc://", "http://", "https://"):
+        if target.startswith(scheme):
+            target = target[len(scheme):]
+    target = target.rstrip("/")
+    return target, grpc.insecure_channel(target, options=[
+        ("grpc.max_receive_message_length", _MAX_MESSAGE),
+        ("grpc.max_send_message_length", _MAX_MESSAGE),
+    ])
 
 
 class GrpcTransport:
+    """TF Serving's gRPC API: works against `python -m serve --grpc-port` and `tensorflow_model_server`."""
+
     def __init__(self, target: str, model: str, version: int | None, version_label: str | None) -> None:
-        for scheme in ("grpc://", "http://", "https://"):
-            if target.startswith(scheme):
-                target = target[len(scheme):]
-        self.target = target.rstrip("/")
+        self.target, self._channel = _channel(target)
         self.model = model
         self.version = version
         self.version_label = version_label
-        self._channel = grpc.insecure_channel(self.target, options=[
-            ("grpc.max_receive_message_length", _MAX_MESSAGE),
-            ("grpc.max_send_message_length", _MAX_MESSAGE),
-        ])
         self._predict = prediction_service_pb2_grpc.PredictionServiceStub(self._channel)
         self._models = model_service_pb2_grpc.ModelServiceStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
 
-    def _spec(self, spec, signature_name: str | None = None) -> None:
+    def _spec(self, spec, signature_name: str | None = None) -> None:  # noqa: ANN001 - a ModelSpec
         spec.name = self.model
         if self.version is not None:
             spec.version.value = self.version
@@ -57,27 +70,29 @@ class GrpcTransport:
     def predict(self, texts: Sequence[str], signature_name: str, timeout: float) -> list[RawPrediction]:
         request = predict_pb2.PredictRequest()
         self._spec(request.model_spec, signature_name)
-        request.inputs["text"].CopyFrom(tf.make_tensor_proto([t.encode("utf-8") for t in texts], dtype=tf.string))
-        response = self._call(self._predict.Predict, request, timeout)
-        outputs = response.outputs
+        text = request.inputs["text"]
+        text.dtype = types_pb2.DT_STRING
+        text.tensor_shape.dim.add().size = len(texts)
+        text.string_val.extend(t.encode("utf-8") for t in texts)
+        outputs = _call(self._predict.Predict, request, timeout, self.target).outputs
         name = "probabilities" if "probabilities" in outputs else "scores" if "scores" in outputs else None
         if name is None:
             raise ClientError(f"unexpected predict response: outputs {sorted(outputs)}, no 'probabilities'")
-        probabilities = tf.make_ndarray(outputs[name]).tolist()
+        probabilities = _rows(outputs[name], len(texts))
         labels: list[str | None] = [None] * len(probabilities)
         if "label" in outputs:
-            labels = [v.decode("utf-8", "replace") for v in tf.make_ndarray(outputs["label"]).ravel()]
+            labels = [v.decode("utf-8", "replace") for v in outputs["label"].string_val]
         return list(zip(labels, probabilities))
 
     def status(self, timeout: float) -> list[ModelVersionStatus]:
         request = get_model_status_pb2.GetModelStatusRequest()
         self._spec(request.model_spec)
-        response = self._call(self._models.GetModelStatus, request, timeout)
+        response = _call(self._models.GetModelStatus, request, timeout, self.target)
         return [
             ModelVersionStatus(
                 version=s.version, state=_STATES.Name(s.state),
-                error_code=s.status.DESCRIPTOR.fields_by_name["error_code"].enum_type.values_by_number[
-                    s.status.error_code].name,
+                error_code=_ERROR_CODES.values_by_number[s.status.error_code].name
+                if s.status.error_code in _ERROR_CODES.values_by_number else str(s.status.error_code),
                 error_message=s.status.error_message,
             )
             for s in response.model_version_status
@@ -87,9 +102,10 @@ class GrpcTransport:
         request = get_model_metadata_pb2.GetModelMetadataRequest()
         self._spec(request.model_spec)
         request.metadata_field.append("signature_def")
-        response = self._call(self._predict.GetModelMetadata, request, timeout)
+        response = _call(self._predict.GetModelMetadata, request, timeout, self.target)
         signatures = get_model_metadata_pb2.SignatureDefMap()
-        response.metadata["signature_def"].Unpack(signatures)
+        if not response.metadata["signature_def"].Unpack(signatures):
+            raise ClientError(f"unexpected metadata: {response.metadata['signature_def'].type_url}")
         spec = response.model_spec
         return {
             "model_spec": {"name": spec.name, "signature_name": spec.signature_name, "version": str(spec.version.value)},
@@ -97,11 +113,108 @@ class GrpcTransport:
                 signatures, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)},
         }
 
-    def _call(self, method, request, timeout: float):
-        try:
-            return method(request, timeout=timeout)
-        except grpc.RpcError as exc:
-            raise _grpc_error(exc, self.target) from None
+
+def _rows(tensor, count: int) -> list[list[float]]:  # noqa: ANN001 - a TensorProto
+    """A [count, classes] float tensor as rows of Python floats (values in tensor_content or in
+    float_val/double_val, as servers choose)."""
+    field, fmt = _FLOAT_FIELDS.get(tensor.dtype, (None, None))
+    if field is None:
+        raise ClientError(f"unexpected probabilities dtype {types_pb2.DataType.Name(tensor.dtype)}")
+    if tensor.tensor_content:
+        values = [v for (v,) in struct.iter_unpack(fmt, tensor.tensor_content)]
+    else:
+        values = list(getattr(tensor, field))
+    dims = [d.size for d in tensor.tensor_shape.dim]
+    if len(dims) != 2 or dims[0] != count or len(values) != dims[0] * dims[1]:
+        raise ClientError(f"unexpected probabilities shape {dims} ({len(values)} values) for {count} texts")
+    width = dims[1]
+    return [values[i * width:(i + 1) * width] for i in range(count)]
+
+
+class V2GrpcTransport:
+    """The Open Inference Protocol (KServe V2) over gRPC: `python -m serve --grpc-port`, Triton,
+    KServe and MLServer answer it. V2 has one function per model (this server runs
+    `serving_default`), no version labels, and no per-version status: `status` lists the versions
+    the server says are being served, as AVAILABLE."""
+
+    def __init__(self, target: str, model: str, version: int | None, version_label: str | None) -> None:
+        if version_label is not None:
+            raise ValueError("the V2 protocol has no version labels: pass version=N")
+        self.target, self._channel = _channel(target)
+        self.model = model
+        self.version = "" if version is None else str(version)
+        self._stub = grpc_predict_v2_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def predict(self, texts: Sequence[str], signature_name: str, timeout: float) -> list[RawPrediction]:
+        if signature_name != "serving_default":
+            raise InvalidInput(f"signature {signature_name!r}: the V2 protocol runs the model's default function only")
+        request = grpc_predict_v2_pb2.ModelInferRequest(model_name=self.model, model_version=self.version)
+        request.inputs.add(name="text", datatype="BYTES", shape=[len(texts)])
+        request.raw_input_contents.append(b"".join(
+            struct.pack("<I", len(b)) + b for b in (t.encode("utf-8") for t in texts)))
+        response = _call(self._stub.ModelInfer, request, timeout, self.target)
+        outputs = {tensor.name: (tensor, i) for i, tensor in enumerate(response.outputs)}
+        if "probabilities" not in outputs:
+            raise ClientError(f"unexpected infer response: outputs {sorted(outputs)}, no 'probabilities'")
+        probabilities = _v2_rows(response, *outputs["probabilities"], len(texts))
+        labels: list[str | None] = [None] * len(texts)
+        if "label" in outputs:
+            labels = [v.decode("utf-8", "replace") for v in _v2_bytes(response, *outputs["label"])]
+        return list(zip(labels, probabilities))
+
+    def status(self, timeout: float) -> list[ModelVersionStatus]:
+        if self.version:
+            request = grpc_predict_v2_pb2.ModelReadyRequest(name=self.model, version=self.version)
+            ready = _call(self._stub.ModelReady, request, timeout, self.target).ready
+            return [ModelVersionStatus(int(self.version), "AVAILABLE" if ready else "LOADING")]
+        metadata = self._metadata(timeout)
+        return [ModelVersionStatus(int(v), "AVAILABLE") for v in metadata.versions if v.isdigit()]
+
+    def metadata(self, timeout: float) -> dict[str, Any]:
+        """V2's model metadata: {name, versions, platform, inputs, outputs}."""
+        return json_format.MessageToDict(self._metadata(timeout), preserving_proto_field_name=True)
+
+    def _metadata(self, timeout: float) -> grpc_predict_v2_pb2.ModelMetadataResponse:
+        request = grpc_predict_v2_pb2.ModelMetadataRequest(name=self.model, version=self.version)
+        return _call(self._stub.ModelMetadata, request, timeout, self.target)
+
+
+def _v2_values(response, tensor, index: int, raw_format: str, contents_field: str) -> list:  # noqa: ANN001
+    if response.raw_output_contents:
+        return [v for (v,) in struct.iter_unpack(raw_format, response.raw_output_contents[index])]
+    return list(getattr(tensor.contents, contents_field))
+
+
+def _v2_rows(response, tensor, index: int, count: int) -> list[list[float]]:  # noqa: ANN001
+    formats = {"FP32": ("<f", "fp32_contents"), "FP64": ("<d", "fp64_contents")}
+    if tensor.datatype not in formats:
+        raise ClientError(f"unexpected probabilities datatype {tensor.datatype}")
+    values = _v2_values(response, tensor, index, *formats[tensor.datatype])
+    shape = list(tensor.shape)
+    if len(shape) != 2 or shape[0] != count or len(values) != shape[0] * shape[1]:
+        raise ClientError(f"unexpected probabilities shape {shape} ({len(values)} values) for {count} texts")
+    return [values[i * shape[1]:(i + 1) * shape[1]] for i in range(count)]
+
+
+def _v2_bytes(response, tensor, index: int) -> list[bytes]:  # noqa: ANN001
+    if not response.raw_output_contents:
+        return list(tensor.contents.bytes_contents)
+    raw, at, out = response.raw_output_contents[index], 0, []
+    while at + 4 <= len(raw):
+        (length,) = struct.unpack_from("<I", raw, at)
+        out.append(raw[at + 4:at + 4 + length])
+        at += 4 + length
+    return out
+
+
+def _call(method, request, timeout: float, target: str):  # noqa: ANN001, ANN202
+    try:
+        return method(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        raise _grpc_error(exc, target) from None
 
 
 def _grpc_error(exc: grpc.RpcError, target: str) -> ClientError:

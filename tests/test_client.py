@@ -1,5 +1,5 @@
-"""`client`: SentimentClient and `python -m client` against real server processes (REST and gRPC),
-retries through a real flaky HTTP server, and error mapping on both transports."""
+"""`client`: SentimentClient and `python -m client` against real server processes (REST, TF Serving's
+gRPC API and V2 over gRPC), retries through real flaky servers, and error mapping on every transport."""
 
 from __future__ import annotations
 
@@ -49,7 +49,10 @@ def url_of(server: ServerProcess, transport: str) -> str:
     return server.url if transport == "rest" else server.grpc_target
 
 
-@pytest.fixture(scope="module", params=["rest", "grpc"])
+TRANSPORTS = ["rest", "grpc", "grpc-v2"]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
 def client(request, server):
     with SentimentClient(url_of(server, request.param), MODEL_NAME, transport=request.param,
                          backoff_s=0.01, batch_size=4) as c:
@@ -75,18 +78,23 @@ def test_predict_matches_the_servers_own_answers(client, server):
     assert client.predict("great movie") == client.predict(["great movie"])  # one text is a list of one
 
 
-def test_rest_and_grpc_agree(server):
+def test_every_transport_gives_the_same_answers(server):
     rest = SentimentClient(server.url, MODEL_NAME).predict(TEXTS)
-    grpc_ = SentimentClient(server.grpc_target, MODEL_NAME, transport="grpc").predict(TEXTS)
-    assert [p.label for p in rest] == [p.label for p in grpc_]
-    for r, g in zip(rest, grpc_):
-        assert r.probabilities == pytest.approx(g.probabilities, abs=1e-6)
+    for transport in ("grpc", "grpc-v2"):
+        other = SentimentClient(server.grpc_target, MODEL_NAME, transport=transport).predict(TEXTS)
+        assert [p.label for p in other] == [p.label for p in rest], transport
+        for r, o in zip(rest, other):  # float32 on the wire; JSON's shortest decimal of it on REST
+            assert r.probabilities == pytest.approx(o.probabilities, abs=1e-6)
 
 
 def test_status_metadata_and_wait_until_ready(client):
     assert client.status() == [ModelVersionStatus(version=1, state="AVAILABLE")]
     assert client.wait_until_ready(timeout=5) == client.status()
     meta = client.metadata()
+    if client.transport == "grpc-v2":  # V2's own metadata
+        assert (meta["name"], meta["versions"], meta["platform"]) == (MODEL_NAME, ["1"], "tensorflow_savedmodel")
+        assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": ["-1"]}]
+        return
     assert meta["model_spec"] == {"name": MODEL_NAME, "signature_name": "", "version": "1"}
     signatures = meta["metadata"]["signature_def"]["signature_def"]
     assert signatures["serving_default"]["inputs"]["text"]["dtype"] == "DT_STRING"
@@ -94,7 +102,7 @@ def test_status_metadata_and_wait_until_ready(client):
 
 
 def test_pinned_version(server):
-    for transport in ("rest", "grpc"):
+    for transport in TRANSPORTS:
         c = SentimentClient(url_of(server, transport), MODEL_NAME, transport=transport, version=1)
         assert c.status()[0].version == 1 and c.predict(["good"])[0].label in ("negative", "positive")
 
@@ -106,7 +114,7 @@ def test_error_mapping(client):
     with pytest.raises(ModelNotFound, match=r"Servable not found for request: Latest\(nope\)") as info:
         SentimentClient(url, "nope", transport=transport).predict(["good"])
     assert info.value.status == (404 if transport == "rest" else "NOT_FOUND")
-    with pytest.raises(ModelNotFound, match="Could not find version 9"):
+    with pytest.raises(ModelNotFound, match=r"Could not find version 9|Specific\(sentiment, 9\)"):
         SentimentClient(url, MODEL_NAME, transport=transport, version=9).status()
     with pytest.raises(InvalidInput, match="text is empty") as info:
         client.predict(["fine", "  "])
@@ -118,7 +126,7 @@ def test_error_mapping(client):
         client.predict(["fine", 3])
 
 
-@pytest.mark.parametrize("transport", ["rest", "grpc"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_server_down_is_server_unavailable(transport):
     c = SentimentClient(dead_url(transport), MODEL_NAME, transport=transport, retries=2, backoff_s=0.01)
     start = time.monotonic()
@@ -139,7 +147,7 @@ def slow_server(slow_model):
     assert srv.stop() == 0, srv.log()
 
 
-@pytest.mark.parametrize("transport", ["rest", "grpc"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_deadlines_and_overload(slow_server, transport):
     url = url_of(slow_server, transport)
     slow = SentimentClient(url, MODEL_NAME, transport=transport, retries=0, timeout=10)
@@ -350,8 +358,9 @@ def test_cli_prints_label_and_score_per_line(server, tmp_path):
     assert set(row) == {"text", "label", "score", "probabilities"} and row["text"] == "great movie"
 
 
-def test_cli_grpc(server):
-    result = _python("-m", "client", "--transport", "grpc", "--url", server.grpc_target, "--json", "great movie", "bad")
+@pytest.mark.parametrize("transport", ["grpc", "grpc-v2"])
+def test_cli_grpc(server, transport):
+    result = _python("-m", "client", "--transport", transport, "--url", server.grpc_target, "--json", "great movie", "bad")
     assert result.returncode == 0, result.stderr
     rest = SentimentClient(server.url, MODEL_NAME).predict(["great movie", "bad"])
     assert [r["label"] for r in json.loads(result.stdout)] == [p.label for p in rest]
@@ -392,7 +401,8 @@ def test_cli_https_against_plain_http_fails_fast_with_a_clear_message(server):
 
 def test_the_client_installs_alone_without_tensorflow(server, tmp_path):
     """`pip install ./client` in a fresh virtual environment: requests only, no TensorFlow, and the
-    CLI answers against a running server; the gRPC transport asks for its extra."""
+    CLI answers against a running server; the gRPC transports ask for their extra, and with
+    `./client[grpc]` (grpcio and protobuf, still no TensorFlow) answer as REST does."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
@@ -412,3 +422,23 @@ def test_the_client_installs_alone_without_tensorflow(server, tmp_path):
     grpc_ = subprocess.run([python, "-m", "client", "--transport", "grpc", "--url", server.grpc_target, "good"],
                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert grpc_.returncode == 2 and 'pip install "sentiment-client[grpc]"' in grpc_.stderr, grpc_.stderr
+
+    install = subprocess.run([python, "-m", "pip", "install", "-q", f"{REPO / 'client'}[grpc]"],
+                             capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    rest = SentimentClient(server.url, MODEL_NAME).predict(["good", "a dull film"])
+    for transport in ("grpc", "grpc-v2"):
+        code = f"""
+import json, sys
+from client import SentimentClient
+with SentimentClient({server.grpc_target!r}, {MODEL_NAME!r}, transport={transport!r}) as c:
+    print(json.dumps([(p.label, p.probabilities) for p in c.predict(["good", "a dull film"])]))
+    print(c.status()[0].state)
+print(sorted({{m.split(".")[0] for m in sys.modules}} & {{"tensorflow", "tensorflow_serving", "tritonclient"}}))
+"""
+        result = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert result.returncode == 0, result.stderr
+        answers, state, modules = result.stdout.splitlines()
+        assert (state, modules) == ("AVAILABLE", "[]")
+        for (label, probabilities), want in zip(json.loads(answers), rest):
+            assert label == want.label and probabilities == pytest.approx(want.probabilities, abs=1e-6)
