@@ -10,9 +10,10 @@ Measured side by side, each load level in --rounds slices that alternate which s
                 the same request and response JSON (needs `pip install -e ".[bench]"`);
   - `baseline`: with --baseline CHECKOUT, python -m serve of that checkout (an earlier commit);
   - the in-process model call (no HTTP) for 1 and 64 reviews per call;
-  - on `serve` (defaults) also, at c=1, 32 and 256: KServe V2 REST `infer` (wrk), and TF Serving gRPC
-    `Predict` with `h2load` (Debian's `nghttp2-client`; skipped without it), the gRPC answer checked
-    once with `nghttp` to carry grpc-status 0 (h2load counts HTTP statuses only).
+  - on `serve` (defaults) also, at c=1, 32 and 256: KServe V2 REST `infer` (wrk), and over gRPC TF
+    Serving's `Predict` and V2's `ModelInfer` (raw tensors, as tritonclient sends them) with `h2load`
+    (Debian's `nghttp2-client`; skipped without it), each gRPC answer checked once with `nghttp` to
+    carry grpc-status 0 (h2load counts HTTP statuses only).
 Load: `wrk` (Debian package `wrk`; a Python load generator saturates before these servers do), one
 thread, keep-alive connections, one real ~170-word review per request (from ../shared/data/imdb when
 present, else a built-in review of the same length), plus a row of --batch-rows reviews per request.
@@ -259,43 +260,54 @@ def peak_rss_mb(pid: int) -> float:
     return total / 1024
 
 
-def grpc_frame(path: Path, text: str, model: str) -> None:
-    """A TF Serving PredictRequest of one review as a gRPC message (0, 4-byte big-endian length,
-    the serialized request): the body h2load sends."""
+PREDICT = "/tensorflow.serving.PredictionService/Predict"
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def grpc_frames(work: Path, text: str, model: str) -> dict[str, Path]:
+    """One review as a TF Serving PredictRequest and as a V2 ModelInferRequest (raw tensor, as
+    tritonclient sends it), each a gRPC message (0, 4-byte big-endian length, the serialized
+    request): the bodies h2load sends, by method path."""
     import struct
 
-    from tensorflow_serving.apis import predict_pb2
+    from client.protos import grpc_predict_v2_pb2, predict_pb2, types_pb2
 
-    request = predict_pb2.PredictRequest()
-    request.model_spec.name = model
-    tensor = request.inputs["text"]
-    tensor.dtype = 7  # DT_STRING
+    predict = predict_pb2.PredictRequest()
+    predict.model_spec.name = model
+    tensor = predict.inputs["text"]
+    tensor.dtype = types_pb2.DT_STRING
     tensor.tensor_shape.dim.add().size = 1
     tensor.string_val.append(text.encode())
-    data = request.SerializeToString()
-    path.write_bytes(b"\0" + struct.pack(">I", len(data)) + data)
+    infer = grpc_predict_v2_pb2.ModelInferRequest(model_name=model)
+    infer.inputs.add(name="text", datatype="BYTES", shape=[1])
+    infer.raw_input_contents.append(struct.pack("<I", len(text.encode())) + text.encode())
+    frames = {}
+    for method, request in ((PREDICT, predict), (MODEL_INFER, infer)):
+        data = request.SerializeToString()
+        frames[method] = work / f"{method.rsplit('/', 1)[1]}.grpc"
+        frames[method].write_bytes(b"\0" + struct.pack(">I", len(data)) + data)
+    return frames
 
 
 GRPC_HEADERS = ["-H", "content-type: application/grpc", "-H", "te: trailers"]
 
 
-def check_grpc(port: int, frame: Path) -> None:
+def check_grpc(port: int, method: str, frame: Path) -> None:
     """One call with nghttp: the answer must carry grpc-status 0, or the h2load figures mean nothing."""
     if shutil.which("nghttp") is None:
         return
-    out = subprocess.run(["nghttp", "-v", *GRPC_HEADERS, "-d", str(frame),
-                          f"http://127.0.0.1:{port}/tensorflow.serving.PredictionService/Predict"],
+    out = subprocess.run(["nghttp", "-v", *GRPC_HEADERS, "-d", str(frame), f"http://127.0.0.1:{port}{method}"],
                          capture_output=True, text=True, errors="replace", timeout=30).stdout
     if "grpc-status: 0" not in out:
-        raise SystemExit(f"gRPC Predict did not answer grpc-status 0:\n{out[-2000:]}")
+        raise SystemExit(f"gRPC {method} did not answer grpc-status 0:\n{out[-2000:]}")
 
 
-def run_h2load(port: int, frame: Path, connections: int, seconds: float) -> dict:
-    """TF Serving gRPC Predict under h2load: one stream at a time per connection, like wrk's requests."""
+def run_h2load(port: int, method: str, frame: Path, connections: int, seconds: float) -> dict:
+    """A gRPC method under h2load: one stream at a time per connection, like wrk's requests."""
     import re
 
     out = subprocess.run(["h2load", f"-c{connections}", "-m1", f"-D{max(1, round(seconds))}", *GRPC_HEADERS,
-                          "-d", str(frame), f"http://127.0.0.1:{port}/tensorflow.serving.PredictionService/Predict"],
+                          "-d", str(frame), f"http://127.0.0.1:{port}{method}"],
                          capture_output=True, text=True, check=True).stdout
     done = re.search(r"finished in ([\d.]+)s, ([\d.]+) req/s", out)
     counts = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed", out)
@@ -305,23 +317,22 @@ def run_h2load(port: int, frame: Path, connections: int, seconds: float) -> dict
 
 
 def protocol_rows(port: int, name: str, work: Path, script: Path, text: str, seconds: float) -> list[str]:
-    """REST :predict, V2 infer and gRPC Predict on one server, level by level, alternating."""
+    """REST :predict, V2 infer, gRPC Predict and gRPC ModelInfer on one server, level by level."""
     v2 = work / "v2.json"
     v2.write_text(json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [text]}]}))
     rest = work / "one.json"
-    frame = work / "predict.grpc"
     grpc_port = port + 1
     h2load = shutil.which("h2load") is not None
-    if h2load:
-        grpc_frame(frame, text, name)
-        check_grpc(grpc_port, frame)
+    frames = grpc_frames(work, text, name) if h2load else {}
+    for method, frame in frames.items():
+        check_grpc(grpc_port, method, frame)
     lines = []
     for c in (1, 32, 256):
         r = merge([run_wrk(port, f"/v1/models/{name}:predict", rest, script, c, seconds)], 1)
         v = merge([run_wrk(port, f"/v2/models/{name}/infer", v2, script, c, seconds)], 1)
         line = f"c={c:<8} | {r['rps']:>8,.0f} | {v['rps']:>8,.0f} ({v['rps'] / r['rps']:.2f}x)"
-        if h2load:
-            g = run_h2load(grpc_port, frame, c, seconds)
+        for method, frame in frames.items():
+            g = run_h2load(grpc_port, method, frame, c, seconds)
             line += f" | {g['rps']:>8,.0f} ({g['rps'] / r['rps']:.2f}x, mean {g['mean']}, failed {g['failed']})"
         lines.append(line)
         print(f"  protocols {line}", file=sys.stderr, flush=True)
@@ -453,7 +464,8 @@ def main() -> None:
         print(line)
     if protocols:
         print("\nserve (defaults), one review per request, the same server for each protocol (rate, x REST's):")
-        print(f"{'load':<10} | {'REST':>8} | {'V2 REST infer':<15} | TF Serving gRPC Predict (h2load)")
+        print(f"{'load':<10} | {'REST':>8} | {'V2 REST infer':<15} | TF Serving gRPC Predict (h2load) | "
+              "V2 gRPC ModelInfer (h2load)")
         for line in protocols:
             print(line)
     print("\npeak resident memory of each server, all its processes: "
