@@ -66,7 +66,13 @@ def contents_request(texts, **fields) -> service_pb2.ModelInferRequest:
 
 
 def test_server_and_model_health_and_metadata(client, server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     assert client.is_server_live() and client.is_server_ready()
+    with grpc.insecure_channel(server.grpc_target) as channel:  # what a Kubernetes gRPC probe may name
+        check = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService"), timeout=10)
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
     assert client.is_model_ready(MODEL_NAME) and client.is_model_ready(MODEL_NAME, "2")
     server_metadata = client.get_server_metadata(as_json=True)
     assert server_metadata["name"] == requests.get(f"{server.url}/v2", timeout=10).json()["name"]
