@@ -1,9 +1,16 @@
 """Text -> TF-IDF features, the same in training (per batch) and in the exported model.
 
-One TensorFlow module does both: `tokens` (lowercase, `<br />` to a space, punctuation stripped,
-whitespace split, 1..n-grams) and `sparse` / `dense` (counts of vocabulary n-grams -> optional
-sublinear tf `1 + ln(count)` -> times idf -> optional L2 row normalisation). The exported
-SavedModel contains this module, so served text is cleaned and weighted exactly like training text.
+One TensorFlow module does both: `tokens` (lowercase, apostrophes dropped, `<br />` and
+punctuation to a space, whitespace split, 1..n-grams) and `sparse` / `dense` (counts of vocabulary
+n-grams -> optional sublinear tf `1 + ln(count)` -> times idf -> optional L2 row normalisation).
+The exported SavedModel contains this module, so served text is cleaned and weighted exactly like
+training text.
+
+`sparse` never builds an n-gram's string: each word is hashed once (a 64-bit fingerprint), an
+n-gram's key is folded from its words' hashes with integer ops (`ngram_key`), and the vocabulary
+is an integer-keyed table of the same keys computed from its n-gram strings (`vocabulary_keys`).
+That is what every served request pays for, so it is a handful of flat ops; the vocabulary itself
+stays readable strings.
 
 The vocabulary is built by streaming the training texts in chunks and counting n-grams
 (`build_vocabulary`): no examples x vocabulary array ever exists, here or in the input pipeline,
@@ -30,24 +37,47 @@ VOCABULARY_FILE = "vocabulary.json"
 FORMAT = 2
 WIDTH_MULTIPLE = 8
 
-_BREAK = r"<[bB][rR]\s*/?>"  # IMDB keeps the site's line breaks as HTML
 _APOSTROPHE = r"'"  # don't -> dont (one token)
-_PUNCTUATION = r'[!"#$%&()*+,\-./:;<=>?@\[\\\]^_`{|}~]'  # the rest separates words
+# IMDB keeps the site's line breaks as HTML (lowercased first); the other punctuation separates words.
+_SEPARATORS = r'<br\s*/?>|[!"#$%&()*+,\-./:;<=>?@\[\\\]^_`{|}~]'
+_HASH_BUCKETS = 2**62
+"""Word hashes and n-gram keys are kept below 2**62, so folding never reaches int64's sign bit."""
+_NO_KEY = -2
+"""The key of an n-gram that would span two texts (never in the table: keys are >= -1)."""
 
 
 def standardize(texts: tf.Tensor) -> tf.Tensor:
     texts = tf.strings.lower(texts, encoding="utf-8")
-    texts = tf.strings.regex_replace(texts, _BREAK, " ")
     texts = tf.strings.regex_replace(texts, _APOSTROPHE, "")
-    return tf.strings.regex_replace(texts, _PUNCTUATION, " ")
+    return tf.strings.regex_replace(texts, _SEPARATORS, " ")
 
 
 def tokens(texts: tf.Tensor, ngrams: int) -> tf.RaggedTensor:
-    """Every 1..n-gram of each text, n-grams joined by single spaces: [batch, (tokens)]."""
+    """Every 1..n-gram of each text, n-grams joined by single spaces: [batch, (tokens)]. The
+    vocabulary is counted from these strings; `TfIdf.sparse` computes their keys instead."""
     words = tf.strings.split(standardize(texts))
     if ngrams == 1:
         return words
     return tf.strings.ngrams(words, ngram_width=list(range(1, ngrams + 1)), separator=" ")
+
+
+def ngram_key(key: tf.Tensor, word_hash: tf.Tensor) -> tf.Tensor:
+    """The key of an n-gram extended by one word: (key << 1) ^ hash, kept below 2**62."""
+    shifted = tf.bitwise.bitwise_and(tf.bitwise.left_shift(key, tf.constant(1, tf.int64)),
+                                     tf.constant(_HASH_BUCKETS - 1, tf.int64))
+    return tf.bitwise.bitwise_xor(shifted, word_hash)
+
+
+def vocabulary_keys(vocabulary: Sequence[str]) -> tf.Tensor:
+    """The key `TfIdf.sparse` computes for each vocabulary entry (words joined by single spaces)."""
+    if not vocabulary:
+        return tf.constant([-1], tf.int64)  # a key no text has: the table needs one entry
+    split = tf.strings.split(tf.constant(list(vocabulary), tf.string), sep=" ")
+    hashes = tf.ragged.map_flat_values(tf.strings.to_hash_bucket_fast, split, _HASH_BUCKETS).to_tensor(-1)
+    keys = hashes[:, 0]
+    for n in range(1, hashes.shape[1]):
+        keys = tf.where(hashes[:, n] >= 0, ngram_key(keys, hashes[:, n]), keys)
+    return keys
 
 
 class TfIdf(tf.Module):
@@ -61,7 +91,9 @@ class TfIdf(tf.Module):
         object.__setattr__(self, "vocabulary", list(vocabulary))
         self.settings = settings
         self.width = width
-        keys = tf.constant(self.vocabulary if self.vocabulary else [""], tf.string)
+        keys = vocabulary_keys(self.vocabulary)
+        if len(np.unique(keys.numpy())) != len(keys):  # two n-grams, one 62-bit key: ~1e-9 for 100k n-grams
+            raise ValueError("two vocabulary n-grams have the same hash key; train again with another --max-tokens")
         values = tf.range(tf.size(keys, out_type=tf.int64), dtype=tf.int64)
         self.table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(keys, values), default_value=-1)
         padded = np.zeros(width, np.float32)
@@ -69,27 +101,49 @@ class TfIdf(tf.Module):
         self.idf = tf.constant(padded)
 
     def sparse(self, texts: tf.Tensor) -> tf.SparseTensor:
-        """TF-IDF rows as a SparseTensor [batch, width] (float32)."""
-        ids = self.table.lookup(tokens(texts, self.settings.ngrams))
-        ids = tf.ragged.boolean_mask(ids, ids >= 0)  # n-grams outside the vocabulary are dropped
-        counts = tf.sparse.reorder(tf.sparse.bincount(ids, minlength=self.width, maxlength=self.width, axis=-1))
+        """TF-IDF rows as a SparseTensor [batch, width] (float32), in a few flat ops: a call on one
+        review costs about as much as the TensorFlow call itself, so every op counts. Its cells are
+        not in canonical order (`tf.sparse.reorder` before an op that needs it); matmul takes them
+        as they are."""
+        ids, rows = self._ngram_ids(texts)
+        width = tf.constant(self.width, tf.int64)
+        cells, _, counts = tf.unique_with_counts(rows * width + ids, out_idx=tf.int64)
+        rows, columns = cells // width, cells % width
         # float64 until the end: vectorized log/rsqrt round differently in SIMD lanes and in the
         # scalar tail, so in float32 a review's features would depend on its place in the batch;
         # float64's differences vanish when rounding to float32 (served answers stay bit-identical).
-        values = tf.cast(counts.values, tf.float64)
+        values = tf.cast(counts, tf.float64)
         if self.settings.sublinear_tf:
             values = 1.0 + tf.math.log(values)
-        values *= tf.cast(tf.gather(self.idf, counts.indices[:, 1]), tf.float64)
+        values *= tf.cast(tf.gather(self.idf, columns), tf.float64)
+        batch = tf.shape(texts, out_type=tf.int64)[0]
         if self.settings.normalize:
-            rows = counts.indices[:, 0]
-            norms = tf.math.segment_sum(tf.square(values), rows)  # rows are sorted
+            norms = tf.math.unsorted_segment_sum(tf.square(values), rows, batch)
             values *= tf.gather(tf.math.rsqrt(tf.maximum(norms, 1e-24)), rows)
-        values = tf.cast(values, tf.float32)
-        return tf.SparseTensor(counts.indices, values, counts.dense_shape)
+        # Cells in the order their n-grams first occur in each review: per row, the same in any batch.
+        return tf.SparseTensor(tf.stack([rows, columns], axis=1), tf.cast(values, tf.float32),
+                               tf.stack([batch, width]))
+
+    def _ngram_ids(self, texts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """(vocabulary id, row) of every 1..n-gram of the texts that is in the vocabulary, flat:
+        unigrams of all rows first, then bigrams, ... (an n-gram belongs to its first word's row)."""
+        split = tf.raw_ops.StringSplitV2(input=standardize(texts), sep="")  # "": on whitespace
+        rows = split.indices[:, 0]
+        hashes = tf.strings.to_hash_bucket_fast(split.values, _HASH_BUCKETS)
+        keys, key_rows, level = [hashes], [rows], hashes
+        for n in range(1, self.settings.ngrams):
+            same_row = tf.equal(rows[:-n], rows[n:])  # the n-gram's first and last word
+            level = tf.where(same_row, ngram_key(level[:-1], hashes[n:]), tf.constant(_NO_KEY, tf.int64))
+            keys.append(level)
+            key_rows.append(rows[:-n])
+        ids = self.table.lookup(tf.concat(keys, axis=0))
+        known = tf.where(ids >= 0)[:, 0]
+        return tf.gather(ids, known), tf.gather(tf.concat(key_rows, axis=0), known)
 
     def dense(self, texts: tf.Tensor) -> tf.Tensor:
         """The same rows as a dense [batch, width] float32 tensor (one batch at a time only)."""
-        return tf.sparse.to_dense(self.sparse(texts))
+        rows = self.sparse(texts)
+        return tf.scatter_nd(rows.indices, rows.values, rows.dense_shape)  # each cell once: no order needed
 
     def state(self) -> dict:
         return {"format": FORMAT, "width": self.width, "ngrams": self.settings.ngrams,

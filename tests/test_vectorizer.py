@@ -3,6 +3,7 @@ weights, and bounded memory (the corpus is streamed, features exist one batch at
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -60,7 +61,7 @@ def test_weights_sublinear_and_normalised():
 def test_sparse_and_dense_agree_and_save_load_round_trips(tmp_path):
     v = build_vocabulary(TEXTS, 100, VectorizerSettings())
     dense = v.dense(tf.constant(TEXTS)).numpy()
-    np.testing.assert_array_equal(tf.sparse.to_dense(v.sparse(tf.constant(TEXTS))).numpy(), dense)
+    np.testing.assert_array_equal(tf.sparse.to_dense(tf.sparse.reorder(v.sparse(tf.constant(TEXTS)))).numpy(), dense)
     save_vectorizer(v, tmp_path)
     again = load_vectorizer(tmp_path)
     assert (again.vocabulary, again.width, again.settings) == (v.vocabulary, v.width, v.settings)
@@ -84,3 +85,32 @@ def test_a_huge_max_tokens_on_a_small_corpus_is_as_wide_as_its_vocabulary_and_st
     v = build_vocabulary(texts, 5_000_000, VectorizerSettings(ngrams=3, min_df=1), chunk=128)
     assert max(seen) <= 128 and sum(seen) == len(texts)
     assert len(v.vocabulary) < 100_000 and v.width == -(-len(v.vocabulary) // 8) * 8
+
+
+@pytest.mark.parametrize("ngrams", [1, 2, 3])
+def test_hashed_ngram_keys_find_exactly_the_vocabularys_ngram_strings(ngrams):
+    """`sparse` never builds n-gram strings: its integer keys must find the same vocabulary entries,
+    as often, as a lookup of the n-gram strings the vocabulary was counted from."""
+    from train.data import load_data
+
+    texts = list(load_data(limit=300).train.texts) + TEXTS + ["", "   ", "x"]
+    settings = VectorizerSettings(ngrams=ngrams, min_df=1, sublinear_tf=False, normalize=False)  # value = count x idf
+    v = build_vocabulary(texts[:200], 50_000, settings)
+    by_string = {token: i for i, token in enumerate(v.vocabulary)}
+    idf = np.asarray(v.idf)
+    for row, grams in zip(v.dense(tf.constant(texts)).numpy(), tokens(tf.constant(texts), ngrams).to_list()):
+        counts = collections.Counter(by_string[g.decode()] for g in grams if g.decode() in by_string)
+        assert sorted(np.flatnonzero(row)) == sorted(counts)
+        np.testing.assert_allclose([row[i] / idf[i] for i in counts], list(counts.values()), rtol=1e-5)
+    assert len(set(vec.vocabulary_keys(v.vocabulary).numpy())) == len(v.vocabulary)
+
+
+def test_a_rows_features_do_not_depend_on_its_batch():
+    from train.data import load_data
+
+    texts = list(load_data(limit=64).train.texts)
+    v = build_vocabulary(texts, 5000, VectorizerSettings())
+    together = v.dense(tf.constant(texts)).numpy()
+    for i in (0, 17, len(texts) - 1):
+        np.testing.assert_array_equal(v.dense(tf.constant(texts[i:i + 1])).numpy()[0], together[i])
+        np.testing.assert_array_equal(v.dense(tf.constant(texts[i:] + texts[:i])).numpy()[0], together[i])
