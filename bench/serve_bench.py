@@ -8,7 +8,8 @@ Measured side by side, each load level in --rounds slices that alternate which s
   - `serve x1`: python -m serve --workers 1;
   - `naive`:    one Flask route calling the SavedModel once per request, under waitress (64 threads),
                 the same request and response JSON (needs `pip install -e ".[bench]"`);
-  - `baseline`: with --baseline CHECKOUT, python -m serve of that checkout (an earlier commit);
+  - `baseline`: with --baseline CHECKOUT, python -m serve of that checkout (an earlier commit), on
+                --baseline-model-dir when given (the same run exported by that checkout);
   - the in-process model call (no HTTP) for 1 and 64 reviews per call;
   - on `serve` (defaults) also, at c=1, 32 and 256: KServe V2 REST `infer` (wrk), and over gRPC TF
     Serving's `Predict` and V2's `ModelInfer` (raw tensors, as tritonclient sends them) with `h2load`
@@ -374,10 +375,15 @@ def main() -> None:
     p.add_argument("--baseline", metavar="CHECKOUT",
                    help="also measure python -m serve of another checkout of this repository (e.g. a git "
                         "worktree of an earlier commit), as server 'baseline', in the same alternating slices")
+    p.add_argument("--baseline-model-dir", metavar="DIR",
+                   help="with --baseline: the model base it serves (e.g. the same run exported by that checkout; "
+                        "the same model name as --model-dir); default: --model-dir")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.baseline_model_dir and Path(a.baseline_model_dir).name != Path(a.model_dir or "x").name:
+        raise SystemExit("--baseline-model-dir must hold a model of the same name as --model-dir (models/NAME)")
     if a.naive_server:
         naive_server(a.model_dir, a.port, 64)
         return
@@ -412,7 +418,8 @@ def main() -> None:
         "serve x1": [*serve_cmd, "--port", str(ports.get("serve x1", 0)), "--workers", "1"],
         "naive": [sys.executable, __file__, "--naive-server", "--model-dir", a.model_dir,
                   "--port", str(ports.get("naive", 0))],
-        "baseline": [*serve_cmd, "--port", str(ports.get("baseline", 0))],
+        "baseline": [*serve_cmd, "--port", str(ports.get("baseline", 0)),
+                     *(["--model-dir", a.baseline_model_dir] if a.baseline_model_dir else [])],
     }
     where = {s: (REPO, env) for s in servers}
     if a.baseline:
