@@ -382,8 +382,8 @@ def main() -> None:
     p.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.baseline_model_dir and Path(a.baseline_model_dir).name != Path(a.model_dir or "x").name:
-        raise SystemExit("--baseline-model-dir must hold a model of the same name as --model-dir (models/NAME)")
+    if a.baseline_model_dir and (a.model_dir is None or Path(a.baseline_model_dir).name != Path(a.model_dir).name):
+        raise SystemExit("--baseline-model-dir needs --model-dir, and a model of the same name (models/NAME)")
     if a.naive_server:
         naive_server(a.model_dir, a.port, 64)
         return
