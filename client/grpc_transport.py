@@ -124,11 +124,14 @@ def _rows(tensor, count: int) -> list[list[float]]:  # noqa: ANN001 - a TensorPr
         values = [v for (v,) in struct.iter_unpack(fmt, tensor.tensor_content)]
     else:
         values = list(getattr(tensor, field))
-    dims = [d.size for d in tensor.tensor_shape.dim]
-    if len(dims) != 2 or dims[0] != count or len(values) != dims[0] * dims[1]:
-        raise ClientError(f"unexpected probabilities shape {dims} ({len(values)} values) for {count} texts")
-    width = dims[1]
-    return [values[i * width:(i + 1) * width] for i in range(count)]
+    return _split_rows(values, [d.size for d in tensor.tensor_shape.dim], count)
+
+
+def _split_rows(values: list[float], shape: list[int], count: int) -> list[list[float]]:
+    """Flat [count, classes] values (either protocol) as one list per text."""
+    if len(shape) != 2 or shape[0] != count or len(values) != shape[0] * shape[1]:
+        raise ClientError(f"unexpected probabilities shape {shape} ({len(values)} values) for {count} texts")
+    return [values[i * shape[1]:(i + 1) * shape[1]] for i in range(count)]
 
 
 class V2GrpcTransport:
@@ -192,11 +195,7 @@ def _v2_rows(response, tensor, index: int, count: int) -> list[list[float]]:  # 
     formats = {"FP32": ("<f", "fp32_contents"), "FP64": ("<d", "fp64_contents")}
     if tensor.datatype not in formats:
         raise ClientError(f"unexpected probabilities datatype {tensor.datatype}")
-    values = _v2_values(response, tensor, index, *formats[tensor.datatype])
-    shape = list(tensor.shape)
-    if len(shape) != 2 or shape[0] != count or len(values) != shape[0] * shape[1]:
-        raise ClientError(f"unexpected probabilities shape {shape} ({len(values)} values) for {count} texts")
-    return [values[i * shape[1]:(i + 1) * shape[1]] for i in range(count)]
+    return _split_rows(_v2_values(response, tensor, index, *formats[tensor.datatype]), list(tensor.shape), count)
 
 
 def _v2_bytes(response, tensor, index: int) -> list[bytes]:  # noqa: ANN001

@@ -18,7 +18,7 @@ import numpy as np
 from serve.config import ServeConfig
 from serve.core.dataplane import check_declared_shape
 from serve.core.errors import InvalidArgument
-from serve.core.loaded_model import Signature, TensorInfo
+from serve.core.loaded_model import LoadedModel, Signature, TensorInfo
 
 SERVER_NAME = "sentiment-dtensor"
 SIGNATURE = "serving_default"
@@ -51,6 +51,19 @@ def tensor_metadata(name: str, info: TensorInfo) -> dict[str, Any]:
     """A signature tensor as V2 metadata describes it (-1 for a dimension of any size)."""
     shape = [-1] if info.shape is None else [-1 if d is None or d < 0 else d for d in info.shape]
     return {"name": name, "datatype": DATATYPES.get(info.dtype, info.dtype), "shape": shape}
+
+
+def model_metadata(name: str, model: LoadedModel, live_versions: Sequence[int]) -> dict[str, Any]:
+    """What V2's model metadata answers (both edges): the name, the versions served, the platform
+    and the tensors of the signature V2 runs."""
+    signature = model.signature(SIGNATURE)
+    return {
+        "name": name,
+        "versions": [str(v) for v in live_versions],
+        "platform": PLATFORM,
+        "inputs": [tensor_metadata(n, info) for n, info in signature.inputs.items()],
+        "outputs": [tensor_metadata(n, info) for n, info in signature.outputs.items()],
+    }
 
 
 def check_input(signature: Signature, name: str, datatype: str, shape: Sequence[Any], config: ServeConfig) -> int:

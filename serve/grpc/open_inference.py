@@ -90,14 +90,7 @@ class OpenInferenceGrpc:
 
     async def model_metadata(self, request: pb.ModelMetadataRequest, _context) -> pb.ModelMetadataResponse:
         model = self._model(request.name, request.version)
-        signature = model.signature(oip.SIGNATURE)
-        return pb.ModelMetadataResponse(
-            name=request.name,
-            versions=[str(v) for v in self.core.live_versions(request.name)],
-            platform=oip.PLATFORM,
-            inputs=[oip.tensor_metadata(n, info) for n, info in signature.inputs.items()],
-            outputs=[oip.tensor_metadata(n, info) for n, info in signature.outputs.items()],
-        )
+        return pb.ModelMetadataResponse(**oip.model_metadata(request.name, model, self.core.live_versions(request.name)))
 
     async def model_infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         model = self._model(request.model_name, request.model_version)

@@ -67,14 +67,7 @@ class V2Api:
         name, model = self._model(request)
         if verb == "ready":
             return json_response({"name": name, "ready": True})
-        signature = model.signature(oip.SIGNATURE)
-        return json_response({
-            "name": name,
-            "versions": [str(v) for v in self.core.live_versions(name)],
-            "platform": oip.PLATFORM,
-            "inputs": [oip.tensor_metadata(n, info) for n, info in signature.inputs.items()],
-            "outputs": [oip.tensor_metadata(n, info) for n, info in signature.outputs.items()],
-        })
+        return json_response(oip.model_metadata(name, model, self.core.live_versions(name)))
 
     async def infer(self, request: Request) -> Response:
         name, model = self._model(request)
