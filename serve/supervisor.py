@@ -73,12 +73,13 @@ def supervise(config: ServeConfig, sock: socket.socket) -> int:
 def _supervise(config: ServeConfig, sock: socket.socket, peer_dir: str) -> int:
     context = multiprocessing.get_context("spawn")
     loads = context.Array("i", [-1] * config.workers, lock=False)  # open connections per worker; -1: not accepting
-    stop = threading.Event()
     signals: list[int] = []
 
     def on_signal(signum: int, _frame) -> None:  # noqa: ANN001
+        # Only this: the handler runs in the main thread between two bytecodes, so taking a lock
+        # here (an Event's set()) deadlocks whenever the signal lands while that thread holds it
+        # (inside Event.wait): Ctrl-C then left the supervisor hung over its exited workers.
         signals.append(signum)
-        stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -94,10 +95,10 @@ def _supervise(config: ServeConfig, sock: socket.socket, peer_dir: str) -> int:
              ", ".join(str(p.pid) for p, _ in workers.values()), peer_dir)
     quick_deaths = 0
     failed = False
-    while not stop.is_set():
-        stop.wait(0.2)
+    while not signals and not failed:
+        time.sleep(0.2)  # a signal runs its handler at once; the loop sees it within 0.2 s
         for index, (process, started) in list(workers.items()):
-            if process.is_alive() or stop.is_set():
+            if process.is_alive() or signals:
                 continue
             loads[index] = -1  # its connections are gone: siblings stop deferring to it
             quick_deaths = quick_deaths + 1 if time.monotonic() - started < RESTART_WINDOW_S else 0
@@ -105,7 +106,6 @@ def _supervise(config: ServeConfig, sock: socket.socket, peer_dir: str) -> int:
                 log.error("worker %d exited with %s, %d workers died right after starting: giving up",
                           index, process.exitcode, quick_deaths)
                 failed = True
-                stop.set()
                 break
             log.error("worker %d exited with %s while serving: starting a new one", index, process.exitcode)
             workers[index] = start(index)
