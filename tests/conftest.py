@@ -102,3 +102,27 @@ def vectorize(vectorizer, texts, batch: int = 1024):  # noqa: ANN001, ANN201 - a
 
     parts = [vectorizer.dense(tf.constant(list(texts[i : i + batch]))).numpy() for i in range(0, len(texts), batch)]
     return np.concatenate(parts) if parts else np.zeros((0, vectorizer.width), np.float32)
+
+
+# -- the container tier ---------------------------------------------------------------------------
+
+FIGURES = pytest.StashKey[list]()
+"""Figures a test measured (image size, start-to-ready time...), printed at the end of the run."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The container tier (podman, an image build) runs only when asked for: `-m container`."""
+    if "container" in (config.option.markexpr or ""):
+        return
+    deselected = [item for item in items if item.get_closest_marker("container")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("container")]
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # noqa: ANN001 - pytest's reporter
+    figures = config.stash.get(FIGURES, [])
+    if figures:
+        terminalreporter.section("measured")
+        for line in figures:
+            terminalreporter.write_line(line)
