@@ -11,7 +11,8 @@ from common.quiet import quiet_tensorflow  # noqa: E402
 quiet_tensorflow()  # before anything imports TensorFlow; --verbose keeps its C++ logs
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):  # noqa: ANN201 - an ExportConfig (imported lazily)
+    """The ExportConfig of a command line; ValueError names the flag to fix."""
     from common.cli import add_dataclass_arguments, dataclass_from_args
     from export.config import DEFAULT_SAMPLES, ExportConfig
 
@@ -23,12 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--verbose", action="store_true", help="also show TensorFlow's C++ log lines")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return dataclass_from_args(ExportConfig, args, samples=tuple(args.samples or DEFAULT_SAMPLES))
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        config = dataclass_from_args(ExportConfig, args, samples=tuple(args.samples or DEFAULT_SAMPLES))
+        config = parse_args(argv)
     except ValueError as exc:
         print(f"export: error: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from common.mesh import configure_devices
     from export.exporter import ExportError, describe_signatures, export_model
