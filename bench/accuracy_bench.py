@@ -5,7 +5,8 @@
 For each dataset it runs `python -m train` with the default configuration (a real process: the
 wall time covers vocabulary, training and evaluation; peak RSS is that process's own) and, in the
 same run, scikit-learn TF-IDF + logistic regression with the 1,200 most frequent unigrams and with
-all uni+bigrams (min_df 2, sublinear tf, C=4). Datasets:
+all uni+bigrams (min_df 2, sublinear tf, C=4), and the strong linear baseline: logistic regression on
+all uni+bi+trigrams scaled by their naive-Bayes log-count ratios (NBSVM's features, C=16). Datasets:
   - `--data` (default: the IMDB copy at ../shared/data/imdb when it exists, else the bundled corpus);
   - with `--short N` also N short reviews made from it: the first sentence of each review, at most 30
     words (a stand-in for one-line review data, to check the defaults are not tuned to long texts).
@@ -24,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 IMDB = REPO.parent / "shared" / "data" / "imdb"
@@ -83,15 +86,30 @@ def baselines(spec: str) -> dict[str, dict]:
 
     train_x, train_y, test_x, test_y = read_split(spec)
     out = {}
-    for name, vectorizer, c in (
-        ("LR, 1,200 unigrams", TfidfVectorizer(max_features=1200), 1.0),
-        ("LR, uni+bigrams", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True), 4.0),
+    for name, vectorizer, c, nb in (
+        ("LR, 1,200 unigrams", TfidfVectorizer(max_features=1200), 1.0, False),
+        ("LR, uni+bigrams", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True), 4.0, False),
+        ("NB-weighted LR, uni+bi+trigrams", TfidfVectorizer(ngram_range=(1, 3), min_df=2, sublinear_tf=True), 16.0, True),
     ):
         start = time.perf_counter()
-        model = LogisticRegression(C=c, max_iter=2000).fit(vectorizer.fit_transform(train_x), train_y)
-        accuracy = model.score(vectorizer.transform(test_x), test_y)
+        train_features, test_features = vectorizer.fit_transform(train_x), vectorizer.transform(test_x)
+        if nb:  # NBSVM's scaling (Wang & Manning 2012) with a logistic loss: each column times |r|
+            train_features, test_features = nb_scaled(train_features, test_features, np.asarray(train_y))
+        model = LogisticRegression(C=c, max_iter=3000).fit(train_features, train_y)
+        accuracy = model.score(test_features, test_y)
         out[name] = {"accuracy": accuracy, "seconds": time.perf_counter() - start}
     return out
+
+
+def nb_scaled(train, test, labels):  # noqa: ANN001, ANN201 - scipy sparse matrices
+    """Both matrices' columns times |log-count ratio| of the training texts, rows renormalised."""
+    from sklearn.preprocessing import normalize
+
+    present = (train > 0).astype(np.float64)
+    p = np.asarray(present[labels == 1].sum(axis=0)).ravel() + 1
+    q = np.asarray(present[labels == 0].sum(axis=0)).ravel() + 1
+    r = np.abs(np.log(p / p.sum()) - np.log(q / q.sum()))
+    return normalize(train.multiply(r).tocsr()), normalize(test.multiply(r).tocsr())
 
 
 def main() -> None:
@@ -116,17 +134,19 @@ def main() -> None:
           f"{' + ' + ' '.join(a.train_flags) if a.train_flags else ''}")
     for label, spec, ours, base in rows:
         print(f"\n{label}: {spec}")
-        print(f"  {'model':<34} {'test accuracy':>13} {'wall time':>10} {'peak RSS':>9}")
-        print(f"  {'python -m train (default)':<34} {ours['accuracy']:>13.2%} {ours['seconds']:>9.0f}s "
+        print(f"  {'model':<44} {'test accuracy':>13} {'wall time':>10} {'peak RSS':>9}")
+        print(f"  {'python -m train (default)':<44} {ours['accuracy']:>13.2%} {ours['seconds']:>9.0f}s "
               f"{ours['peak_rss_mb']:>7.0f}MB   ({ours['epochs']} epochs, best {ours['best']}, "
               f"validation {ours['validation_accuracy']:.2%})")
         for name, result in base.items():
-            print(f"  {'scikit-learn ' + name:<34} {result['accuracy']:>13.2%} {result['seconds']:>9.0f}s")
+            print(f"  {'scikit-learn ' + name:<44} {result['accuracy']:>13.2%} {result['seconds']:>9.0f}s")
         best_lr = max(result["accuracy"] for result in base.values())
-        print(f"  vs best logistic regression: {ours['accuracy'] - best_lr:+.2%}")
+        print(f"  vs best logistic regression: {ours['accuracy'] - best_lr:+.2%}; vs LR on all uni+bigrams: "
+              f"{ours['accuracy'] - base['LR, uni+bigrams']['accuracy']:+.2%}")
     label, spec, ours, _ = rows[0]
     if spec.startswith(str(IMDB)):
-        checks = [("test accuracy >= 90.0%", ours["accuracy"] >= 0.90),
+        checks = [("test accuracy >= 91.9% (NBSVM uni+bi+trigrams, Mesnil et al. 2015)", ours["accuracy"] >= 0.919),
+                  ("never below 91.3% (NBSVM uni+bigrams, Wang & Manning 2012)", ours["accuracy"] >= 0.913),
                   ("wall time <= 10 min", ours["seconds"] <= 600),
                   ("peak RSS <= 6 GB", ours["peak_rss_mb"] <= 6 * 1024)]
         print("\nTargets (IMDB, default flags): " + "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in checks))

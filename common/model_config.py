@@ -67,6 +67,10 @@ class VectorizerSettings:
     """Scale every row to unit L2 norm (long and short reviews weigh the same)."""
     min_df: int = 2
     """Keep n-grams that occur in at least this many training texts."""
+    nb_weighting: bool = False
+    """Also weigh each n-gram by |its naive-Bayes log-count ratio| between the classes (NBSVM's
+    trick, Wang & Manning 2012): n-grams that separate the classes count for more from the start.
+    False in vocabulary.json files written before it existed."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.ngrams <= 5:

@@ -2,7 +2,8 @@
 
 One TensorFlow module does both: `tokens` (lowercase, apostrophes dropped, `<br />` and
 punctuation to a space, whitespace split, 1..n-grams) and `sparse` / `dense` (counts of vocabulary
-n-grams -> optional sublinear tf `1 + ln(count)` -> times idf -> optional L2 row normalisation).
+n-grams -> optional sublinear tf `1 + ln(count)` -> times idf, and optionally times the n-gram's
+naive-Bayes weight -> optional L2 row normalisation).
 The exported SavedModel contains this module, so served text is cleaned and weighted exactly like
 training text.
 
@@ -83,10 +84,13 @@ def vocabulary_keys(vocabulary: Sequence[str]) -> tf.Tensor:
 class TfIdf(tf.Module):
     """The fitted vectorizer: vocabulary lookup, idf weights, settings. Inputs are UTF-8 strings."""
 
-    def __init__(self, vocabulary: Sequence[str], idf: np.ndarray, settings: VectorizerSettings, width: int) -> None:
+    def __init__(self, vocabulary: Sequence[str], idf: np.ndarray, settings: VectorizerSettings, width: int,
+                 nb: np.ndarray | None = None) -> None:
         super().__init__(name="tfidf")
         if len(vocabulary) > width or len(idf) != len(vocabulary):
             raise ValueError(f"{len(vocabulary)} tokens, {len(idf)} idf weights, width {width}: they do not fit")
+        if settings.nb_weighting != (nb is not None) or (nb is not None and len(nb) != len(idf)):
+            raise ValueError(f"nb_weighting={settings.nb_weighting} needs one naive-Bayes weight per n-gram")
         # A plain list, not tracked by tf.Module (the SavedModel holds the lookup table instead).
         object.__setattr__(self, "vocabulary", list(vocabulary))
         self.settings = settings
@@ -96,8 +100,11 @@ class TfIdf(tf.Module):
             raise ValueError("two vocabulary n-grams have the same hash key; train again with another --max-tokens")
         values = tf.range(tf.size(keys, out_type=tf.int64), dtype=tf.int64)
         self.table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(keys, values), default_value=-1)
+        object.__setattr__(self, "nb", None if nb is None else np.asarray(nb, np.float32))
+        object.__setattr__(self, "idf_values", np.asarray(idf, np.float32))
+        # One weight per column: idf, times the naive-Bayes weight when there is one (in float64, rounded once).
         padded = np.zeros(width, np.float32)
-        padded[: len(idf)] = idf
+        padded[: len(idf)] = idf if nb is None else (np.asarray(idf, np.float64) * np.asarray(nb, np.float64))
         self.idf = tf.constant(padded)
 
     def sparse(self, texts: tf.Tensor) -> tf.SparseTensor:
@@ -149,7 +156,8 @@ class TfIdf(tf.Module):
         return {"format": FORMAT, "width": self.width, "ngrams": self.settings.ngrams,
                 "sublinear_tf": self.settings.sublinear_tf, "normalize": self.settings.normalize,
                 "min_df": self.settings.min_df, "vocabulary": self.vocabulary,
-                "idf": np.asarray(self.idf)[: len(self.vocabulary)].tolist()}
+                "nb_weighting": self.settings.nb_weighting, "idf": self.idf_values.tolist(),
+                **({"nb": self.nb.tolist()} if self.nb is not None else {})}
 
 
 def round_width(size: int, multiple: int = WIDTH_MULTIPLE) -> int:
@@ -161,6 +169,7 @@ def build_vocabulary(
     max_tokens: int,
     settings: VectorizerSettings,
     *,
+    labels: Sequence[int] | None = None,
     multiple: int = WIDTH_MULTIPLE,
     chunk: int = 512,
     progress: Callable[[int], None] | None = None,
@@ -169,14 +178,21 @@ def build_vocabulary(
     frequent (ties broken alphabetically) that occur in at least `min_df` texts. idf is
     scikit-learn's smoothed ln((1 + n) / (1 + df)) + 1. The width is the kept count rounded up to
     a multiple of `multiple` (so the mesh's feature dimension divides it). `progress(k)` is told
-    of every k texts done."""
+    of every k texts done. With `settings.nb_weighting`, `labels` (0 or 1 per text) give each kept
+    n-gram its naive-Bayes weight (`nb_weights`)."""
+    if settings.nb_weighting and (labels is None or len(labels) != len(texts)):
+        raise ValueError("naive-Bayes weighting needs one label per training text")
     term_counts: collections.Counter[bytes] = collections.Counter()
     doc_counts: collections.Counter[bytes] = collections.Counter()
+    positive_counts: collections.Counter[bytes] = collections.Counter()
     for start in range(0, len(texts), chunk):
         batch = tokens(tf.constant(list(texts[start : start + chunk])), settings.ngrams)
-        for row in _rows(batch):
+        for offset, row in enumerate(_rows(batch)):
             term_counts.update(row)
-            doc_counts.update(set(row))
+            present = set(row)
+            doc_counts.update(present)
+            if settings.nb_weighting and labels[start + offset]:
+                positive_counts.update(present)
         if progress is not None:
             progress(min(chunk, len(texts) - start))
     kept = [(-count, token) for token, count in term_counts.items() if doc_counts[token] >= settings.min_df]
@@ -184,7 +200,19 @@ def build_vocabulary(
     chosen = [token for _, token in kept[:max_tokens]]
     n = len(texts)
     idf = np.array([math.log((1 + n) / (1 + doc_counts[t])) + 1.0 for t in chosen], np.float32)
-    return TfIdf([t.decode("utf-8") for t in chosen], idf, settings, round_width(len(chosen), multiple))
+    nb = None
+    if settings.nb_weighting:
+        positive = np.array([positive_counts[t] for t in chosen], np.float64)
+        nb = nb_weights(positive, np.array([doc_counts[t] for t in chosen], np.float64) - positive)
+    return TfIdf([t.decode("utf-8") for t in chosen], idf, settings, round_width(len(chosen), multiple), nb)
+
+
+def nb_weights(positive_docs: np.ndarray, negative_docs: np.ndarray, alpha: float = 1.0) -> np.ndarray:
+    """|r| of NBSVM (Wang & Manning 2012): r = log((p / |p|_1) / (q / |q|_1)), p and q the smoothed
+    counts of training texts of each class holding each n-gram. Its sign (which class an n-gram
+    points to) is the model's to learn; its size says how much the n-gram separates the classes."""
+    p, q = positive_docs + alpha, negative_docs + alpha
+    return np.abs(np.log(p / p.sum()) - np.log(q / q.sum())).astype(np.float32)
 
 
 def _rows(ragged: tf.RaggedTensor) -> Iterable[list[bytes]]:
@@ -207,5 +235,7 @@ def load_vectorizer(run_dir: Path) -> TfIdf:
     if state.get("format") != FORMAT:
         raise ValueError(f"{Path(run_dir) / VOCABULARY_FILE} was written by an older version; train a new run")
     settings = VectorizerSettings(ngrams=state["ngrams"], sublinear_tf=state["sublinear_tf"],
-                                  normalize=state["normalize"], min_df=state["min_df"])
-    return TfIdf(state["vocabulary"], np.asarray(state["idf"], np.float32), settings, state["width"])
+                                  normalize=state["normalize"], min_df=state["min_df"],
+                                  nb_weighting=state.get("nb_weighting", False))
+    nb = np.asarray(state["nb"], np.float32) if settings.nb_weighting else None
+    return TfIdf(state["vocabulary"], np.asarray(state["idf"], np.float32), settings, state["width"], nb)

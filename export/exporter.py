@@ -305,7 +305,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             "test_accuracy": test_accuracy,
             "model": dataclasses.asdict(model_config),
             "vocabulary_size": len(module.vectorizer.vocabulary),
-            "vectorizer": {k: v for k, v in module.vectorizer.state().items() if k not in ("vocabulary", "idf")},
+            "vectorizer": {k: v for k, v in module.vectorizer.state().items() if k not in ("vocabulary", "idf", "nb")},
             "class_names": list(CLASS_NAMES),
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

@@ -4,15 +4,16 @@ weights, and bounded memory (the corpus is streamed, features exist one batch at
 from __future__ import annotations
 
 import collections
+import json
 import math
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import vectorize
 
 from common import vectorizer as vec
 from common.vectorizer import VectorizerSettings, build_vocabulary, load_vectorizer, save_vectorizer, tokens
-from conftest import vectorize
 
 TEXTS = ["A great film.<br /><br />Great acting, don't miss it!", "A dull film; dull plot.", "Great, GREAT fun",
          "Élan and ÉCLAT: a film"]
@@ -114,3 +115,38 @@ def test_a_rows_features_do_not_depend_on_its_batch():
     for i in (0, 17, len(texts) - 1):
         np.testing.assert_array_equal(v.dense(tf.constant(texts[i:i + 1])).numpy()[0], together[i])
         np.testing.assert_array_equal(v.dense(tf.constant(texts[i:] + texts[:i])).numpy()[0], together[i])
+
+
+def test_naive_bayes_weights_scale_each_ngram_by_how_it_separates_the_classes(tmp_path):
+    labels = [1, 0, 1, 0]
+    settings = VectorizerSettings(ngrams=1, min_df=1, sublinear_tf=False, normalize=False, nb_weighting=True)
+    v = build_vocabulary(TEXTS, 100, settings, labels=labels)
+    rows = [set(t.decode() for t in row) for row in tokens(tf.constant(TEXTS), 1).to_list()]
+    p = np.array([sum(word in row for row, y in zip(rows, labels) if y == 1) + 1 for word in v.vocabulary], float)
+    q = np.array([sum(word in row for row, y in zip(rows, labels) if y == 0) + 1 for word in v.vocabulary], float)
+    r = np.abs(np.log(p / p.sum()) - np.log(q / q.sum()))  # NBSVM's log-count ratio, Wang & Manning 2012
+    np.testing.assert_allclose(v.nb, r, rtol=1e-6)
+    great, fun, film = (v.vocabulary.index(w) for w in ("great", "fun", "film"))
+    assert v.nb[great] > v.nb[fun] > v.nb[film]  # only in positive texts, "great" in more of them; "film" in both
+    plain = build_vocabulary(TEXTS, 100, VectorizerSettings(ngrams=1, min_df=1, sublinear_tf=False, normalize=False))
+    row, plain_row = vectorize(v, ["great film fun"])[0], vectorize(plain, ["great film fun"])[0]
+    np.testing.assert_allclose(row[: len(r)], plain_row[: len(r)] * r, rtol=1e-6)
+
+    save_vectorizer(v, tmp_path)
+    again = load_vectorizer(tmp_path)
+    assert again.settings == settings and again.vocabulary == v.vocabulary
+    np.testing.assert_array_equal(vectorize(again, TEXTS), vectorize(v, TEXTS))
+    with pytest.raises(ValueError, match="one label per training text"):
+        build_vocabulary(TEXTS, 100, settings)
+
+
+def test_a_vocabulary_file_from_before_naive_bayes_weights_still_loads(tmp_path):
+    plain = build_vocabulary(TEXTS, 100, VectorizerSettings(ngrams=2, min_df=1))
+    save_vectorizer(plain, tmp_path)
+    path = tmp_path / vec.VOCABULARY_FILE
+    state = json.loads(path.read_text())
+    del state["nb_weighting"]  # as the previous release wrote it
+    path.write_text(json.dumps(state))
+    old = load_vectorizer(tmp_path)
+    assert not old.settings.nb_weighting and old.nb is None
+    np.testing.assert_array_equal(vectorize(old, TEXTS), vectorize(plain, TEXTS))

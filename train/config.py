@@ -36,6 +36,8 @@ class TrainConfig:
     sublinear_tf: bool = option(True, "weigh a repeated n-gram by 1 + ln(count) instead of count")
     normalize: bool = option(True, "scale every review's TF-IDF row to unit length")
     min_df: int = option(2, "keep n-grams found in at least this many training reviews")
+    nb_weighting: bool = option(True, "weigh each n-gram's TF-IDF by |its naive-Bayes log-count ratio| between "
+                                "the classes in the training reviews (NBSVM's feature scaling)")
     hidden: int = option(64, "hidden units")
     dropout: float = option(0.7, "dropout rate on the hidden layer while training (0: none)")
     bn_momentum: float = option(0.9, "BatchNorm moving-statistics momentum")
@@ -51,7 +53,7 @@ class TrainConfig:
     )
 
     optimizer: Literal["adam", "sgd"] = option("adam", "optimizer")
-    learning_rate: float = option(2e-4, "learning rate")
+    learning_rate: float = option(1e-4, "learning rate")
     weight_decay: float = option(0.0, "decoupled weight decay of the kernels, per step and unit learning rate (AdamW)")
     momentum: float = option(0.0, "SGD momentum (0 = plain SGD)")
     epochs: int = option(10, "most passes over the training split (fewer when --patience stops it)")
@@ -99,7 +101,7 @@ class TrainConfig:
         # the model's and the vectorizer's settings are checked where they are defined
         ModelConfig(max_tokens=8, hidden=self.hidden, bn_momentum=self.bn_momentum)
         VectorizerSettings(ngrams=self.ngrams, sublinear_tf=self.sublinear_tf, normalize=self.normalize,
-                           min_df=self.min_df)
+                           min_df=self.min_df, nb_weighting=self.nb_weighting)
 
     def mesh_dims(self) -> MeshDims:
         """The mesh's dimensions: --mesh, or --strategy (feature for one process; data, which gives

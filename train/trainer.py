@@ -171,7 +171,7 @@ def _check_latest_checkpoint(run_dir: Path) -> None:
 def _prepare_vocabulary(config: TrainConfig, run_dir: Path, train: Split, resuming: bool, mesh: dtensor.Mesh,
                         chief: bool) -> tuple[TfIdf, ModelConfig]:
     settings = VectorizerSettings(ngrams=config.ngrams, sublinear_tf=config.sublinear_tf,
-                                  normalize=config.normalize, min_df=config.min_df)
+                                  normalize=config.normalize, min_df=config.min_df, nb_weighting=config.nb_weighting)
     if resuming:
         vectorizer = load_vectorizer(run_dir)
         saved = ModelConfig.load(run_dir / MODEL_FILE)
@@ -180,12 +180,12 @@ def _prepare_vocabulary(config: TrainConfig, run_dir: Path, train: Split, resumi
             raise TrainingError(
                 f"--run-dir {run_dir} holds a model with {saved} and {vectorizer.settings}, but this run asks for "
                 f"{wanted} and {settings}; use the same --hidden/--bn-momentum/--ngrams/--min-df/--sublinear-tf/"
-                "--normalize, or a new --run-dir"
+                "--normalize/--nb-weighting, or a new --run-dir"
             )
         return vectorizer, saved
     multiple = math.lcm(8, meshlib.dim_size(mesh, FEATURE))
     bar = progress_bar(config.progress and config.client_id == 0, len(train.texts), "vocabulary", "review")
-    vectorizer = build_vocabulary(train.texts, config.max_tokens, settings, multiple=multiple,
+    vectorizer = build_vocabulary(train.texts, config.max_tokens, settings, labels=train.labels, multiple=multiple,
                                   progress=bar.update if bar is not None else None)
     if bar is not None:
         bar.close()
