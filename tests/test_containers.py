@@ -42,6 +42,8 @@ IMAGE = f"localhost/sentiment-dtensor:{VERSION}"
 PODMAN_ENV = {**os.environ, "CONTAINERS_CONF": os.environ.get("CONTAINERS_CONF", str(REPO / "scripts/containers.conf"))}
 TEXTS = ["a wonderful, moving film with a brilliant cast", "dull, predictable and far too long"]
 DTENSOR_PORT = 9991
+KUBE_NETWORK = "podman-default-kube-network"
+"""The network `podman kube play` puts its pods on, created by the first play."""
 
 
 def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -76,8 +78,8 @@ class Made:
         for network in self.networks:
             podman("network", "rm", "--force", network, check=False)
         left = podman("ps", "--all", "--format", "{{.Names}}", "--filter", f"name={self.prefix}", check=False)
-        left_networks = podman("network", "ls", "--format", "{{.Name}}", "--filter", f"name={self.prefix}", check=False)
-        return (left.stdout + left_networks.stdout).split()
+        networks = podman("network", "ls", "--format", "{{.Name}}", check=False).stdout.split()
+        return left.stdout.split() + [n for n in networks if n.startswith(self.prefix) or n in self.networks]
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +226,8 @@ def test_the_serving_manifest_runs_under_kube_play(request: pytest.FixtureReques
                                       {8501: rest_port, 8500: grpc_port})
     made.kube_files.append(kube_file)
     podman("kube", "down", str(kube_file), check=False)  # a pod left by an interrupted run
+    if podman("network", "exists", KUBE_NETWORK, check=False).returncode != 0:
+        made.networks.append(KUBE_NETWORK)  # kube play creates it: ours to remove
     start = time.monotonic()
     podman("kube", "play", str(kube_file), timeout=300)
     url = f"http://127.0.0.1:{rest_port}"
