@@ -213,6 +213,24 @@ def wait_ready(url: str, timeout_s: float = 180) -> float:
     pytest.fail(f"{url}/readyz not 200 after {timeout_s:.0f} s")
 
 
+def stop_then_kube_down(kube_file: Path, deployment: dict, container: str) -> None:
+    """Podman before 5.1 SIGKILLs a pod in `kube down` (containers/podman#22397), so stop it first, as
+    Kubernetes would: SIGTERM, then the drain, within terminationGracePeriodSeconds."""
+    pod_name = f"{deployment['metadata']['name']}-pod-0"
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    start = time.monotonic()
+    podman("pod", "stop", "--time", str(grace), pod_name, timeout=grace + 30)
+    stop_s = time.monotonic() - start
+    logged = podman("logs", container)
+    logs = logged.stdout + logged.stderr
+    assert podman("inspect", container, "--format", "{{.State.ExitCode}}").stdout.strip() == "0", logs[-3000:]
+    assert "received SIGTERM: draining" in logs, logs[-3000:]
+    assert re.search(r"all \d+ workers shut down cleanly", logs), logs[-3000:]
+    assert stop_s < grace
+    podman("kube", "down", str(kube_file), timeout=120)
+    assert podman("pod", "exists", pod_name, check=False).returncode == 1
+
+
 def test_the_serving_manifest_runs_under_kube_play(request: pytest.FixtureRequest, models: Path, made: Made,
                                                    tmp_path: Path) -> None:
     import grpc
@@ -259,21 +277,7 @@ def test_the_serving_manifest_runs_under_kube_play(request: pytest.FixtureReques
         v2 = client.infer("sentiment", [text])
     np.testing.assert_array_equal(v2.as_numpy("probabilities"), rest_probabilities)
 
-    # Podman before 5.1 SIGKILLs a pod in `kube down` (containers/podman#22397), so stop it first, as
-    # Kubernetes would: SIGTERM, then the drain, within terminationGracePeriodSeconds.
-    pod_name = f"{deployment['metadata']['name']}-pod-0"
-    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    start = time.monotonic()
-    podman("pod", "stop", "--time", str(grace), pod_name, timeout=grace + 30)
-    stop_s = time.monotonic() - start
-    logged = podman("logs", container)
-    logs = logged.stdout + logged.stderr
-    assert podman("inspect", container, "--format", "{{.State.ExitCode}}").stdout.strip() == "0", logs[-3000:]
-    assert "received SIGTERM: draining" in logs, logs[-3000:]
-    assert re.search(r"all \d+ workers shut down cleanly", logs), logs[-3000:]
-    assert stop_s < grace
-    podman("kube", "down", str(kube_file), timeout=120)
-    assert podman("pod", "exists", pod_name, check=False).returncode == 1
+    stop_then_kube_down(kube_file, deployment, container)
     made.kube_files.remove(kube_file)
 
 
