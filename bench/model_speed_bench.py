@@ -8,7 +8,8 @@ CHECKOUT, real processes), loaded with `tf.saved_model.load` in this process, an
 `serving_default` called on the same reviews (../shared/data/imdb's test split when present, else
 the bundled corpus) at batch 1 and 32, the two models alternating round by round so that machine
 noise hits both alike. Prints reviews/s of each and the ratio, and how far their answers are apart
-on every review used (the same features and weights: they should agree to the last bit).
+on every review used (the same features and weights: they should agree to the last bit). This
+checkout's `explain` signature runs in the same rounds: its cost per review against a predict.
 Without --run-dir the default configuration is trained on the bundled corpus first.
 """
 
@@ -85,9 +86,11 @@ def main() -> None:
         run_dir = Path(a.run_dir).resolve() if a.run_dir else train_default(work)
         paths = {"this": export(REPO, run_dir, work / "this"),
                  "baseline": export(Path(a.baseline).resolve(), run_dir, work / "baseline")}
-        models = {name: tf.saved_model.load(str(path)).signatures["serving_default"] for name, path in paths.items()}
+        loaded = {name: tf.saved_model.load(str(path)) for name, path in paths.items()}
+        models = {name: model.signatures["serving_default"] for name, model in loaded.items()}
         answers = {name: np.concatenate([fn(text=tf.constant(texts[i:i + 256]))["probabilities"].numpy()
                                          for i in range(0, len(texts), 256)]) for name, fn in models.items()}
+        models["this explain"] = loaded["this"].signatures["explain"]  # what an explanation costs
         rates: dict[int, dict[str, list[float]]] = {}
         for batch in (1, 32):
             batches = [tf.constant(texts[i:i + batch]) for i in range(0, len(texts) - batch + 1, batch)]
@@ -105,6 +108,10 @@ def main() -> None:
     for batch, by_name in rates.items():
         this, base = float(np.median(by_name["this"])), float(np.median(by_name["baseline"]))
         print(f"{batch:<6} | {this:>17,.0f} | {base:>10,.0f} | {this / base:.2f}x")
+    for batch, by_name in rates.items():
+        this, explain = float(np.median(by_name["this"])), float(np.median(by_name["this explain"]))
+        print(f"explain at batch {batch}: {explain:,.0f} reviews/s, {1e3 / explain:.3f} ms per review, "
+              f"{this / explain:.2f}x the cost of a predict ({1e3 / this:.3f} ms)")
     diff = float(np.max(np.abs(answers["this"] - answers["baseline"])))
     same_labels = float(np.mean(answers["this"].argmax(1) == answers["baseline"].argmax(1)))
     print(f"answers on the {len(texts)} reviews: largest probability difference {diff:.3g}, "

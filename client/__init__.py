@@ -5,6 +5,7 @@ Inference Protocol (KServe V2) over gRPC.
 
     client = SentimentClient("http://localhost:8501", model="sentiment")
     client.predict(["great movie"])  # [Prediction(text='great movie', label='positive', score=0.97, ...)]
+    client.explain(["great movie"])[0].top(3)  # [('great', 1.9), ('great movie', 0.4), ('movie', -0.1)]
 
 The REST transport (the default) needs only `requests`; `transport="grpc"` (TF Serving) and
 `transport="grpc-v2"` need grpcio and protobuf (`pip install "sentiment-client[grpc]"`), never TensorFlow.
@@ -14,13 +15,14 @@ import logging
 
 from client.client import SentimentClient
 from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, InvalidURL, ModelNotFound, ServerUnavailable
-from client.results import ModelVersionStatus, Prediction
+from client.results import Explanation, ModelVersionStatus, Prediction
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "SentimentClient",
     "Prediction",
+    "Explanation",
     "ModelVersionStatus",
     "ClientError",
     "InvalidURL",

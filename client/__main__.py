@@ -1,7 +1,9 @@
 """`python -m client "great movie" "dull plot" [--file reviews.txt] [--url URL] [--transport T] [--json]`
 
 Prints one line per text: label, score (probability of the label) and the text, tab-separated;
-`--json` prints a JSON array of {text, label, score, probabilities} instead.
+`--explain` adds under each the `--top` K n-grams that moved the answer most (their contribution to the
+label's log-odds, + for it, - against it); `--json` prints a JSON array of {text, label, score,
+probabilities} (and contributions, bias with --explain) instead.
 Exit status: 0 ok, 1 the request failed (invalid input, unknown model, deadline, server
 error), 2 usage error, 3 the server is down or unavailable.
 """
@@ -37,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retries", type=int, default=3, help="retries on 429/503/connection errors (default: 3)")
     p.add_argument("--batch-size", type=int, default=64, help="texts per request (default: 64)")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="first wait until the model is ready")
+    p.add_argument("--explain", action="store_true",
+                   help="also show the n-grams that drove each answer (rest or grpc transport)")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="n-grams shown per text with --explain (default: 5)")
     p.add_argument("--json", action="store_true", help="print a JSON array instead of text lines")
     p.add_argument("-v", "--verbose", action="store_true", help="log retries")
     args = p.parse_args(argv)
@@ -49,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--file {args.file}: {exc.strerror or exc}")
     if not args.texts:
         p.error("no texts: give TEXT arguments or --file PATH")
+    if args.top < 1:
+        p.error(f"--top {args.top}: show at least 1 n-gram")
+    if args.explain and args.transport == "grpc-v2":
+        p.error("--explain needs --transport rest or grpc: the Open Inference Protocol has no explanations")
     if args.url is None:
         args.url = "http://localhost:8501" if args.transport == "rest" else "localhost:8500"
     return args
@@ -69,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                              timeout=args.timeout, retries=args.retries, batch_size=args.batch_size) as client:
             if args.wait > 0:
                 client.wait_until_ready(args.wait)
-            predictions = client.predict(args.texts)
+            predictions = client.explain(args.texts) if args.explain else client.predict(args.texts)
     except InvalidURL as exc:  # a malformed --url, https:// to a plain-HTTP server
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -88,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for p in predictions:
             print(f"{p.label}\t{p.score:.4f}\t{p.text}")
+            for ngram, contribution in p.top(args.top) if args.explain else []:
+                print(f"\t{contribution:+.3f}\t{ngram}")
     return 0
 
 

@@ -20,16 +20,17 @@ The REST transport needs only `requests`; the gRPC ones need grpcio and protobuf
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
-from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, Sequence, TypeVar
 
 import requests
 
 from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, ModelNotFound, ServerUnavailable
 from client.rest import RestTransport
-from client.results import CLASS_NAMES, ModelVersionStatus, Prediction, RawPrediction
+from client.results import CLASS_NAMES, Explanation, ModelVersionStatus, Prediction, RawExplanation, RawPrediction
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ TRANSPORTS = ("rest", "grpc", "grpc-v2")
 
 class _Transport(Protocol):
     def predict(self, texts: Sequence[str], signature_name: str, timeout: float) -> list[RawPrediction]: ...
+    def explain(self, texts: Sequence[str], timeout: float) -> list[RawExplanation]: ...
     def status(self, timeout: float) -> list[ModelVersionStatus]: ...
     def metadata(self, timeout: float) -> dict[str, Any]: ...
     def close(self) -> None: ...
@@ -124,20 +126,36 @@ class SentimentClient:
 
     def predict(self, texts: str | Iterable[str], *, timeout: float | None = None) -> list[Prediction]:
         """Sentiment of each text, in order. Lists longer than `batch_size` go in several requests."""
+        results: list[Prediction] = []
+        for chunk in self._chunks(texts):
+            raw = self._retrying(lambda t: self._transport.predict(chunk, self.signature_name, t), timeout)
+            if len(raw) != len(chunk):
+                raise ClientError(f"server returned {len(raw)} predictions for {len(chunk)} texts")
+            results.extend(self._prediction(text, label, probs) for text, (label, probs) in zip(chunk, raw))
+        return results
+
+    def explain(self, texts: str | Iterable[str], *, timeout: float | None = None) -> list[Explanation]:
+        """Sentiment of each text with the n-grams that drove it (REST `:explain`, or gRPC Predict
+        with the `explain` signature; not over grpc-v2). Each call runs alone on the server."""
+        results: list[Explanation] = []
+        for chunk in self._chunks(texts):
+            raw = self._retrying(lambda t: self._transport.explain(chunk, t), timeout)
+            if len(raw) != len(chunk):
+                raise ClientError(f"server returned {len(raw)} explanations for {len(chunk)} texts")
+            for text, (label, probs, contributions, bias) in zip(chunk, raw):
+                base = self._prediction(text, label, probs)
+                results.append(Explanation(**dataclasses.asdict(base), contributions=contributions, bias=bias))
+        return results
+
+    def _chunks(self, texts: str | Iterable[str]) -> Iterator[list[str]]:
         items = [texts] if isinstance(texts, str) else list(texts)
         if not items:
             raise InvalidInput("no texts to predict: pass at least one text")
         for i, text in enumerate(items):
             if not isinstance(text, str):
                 raise InvalidInput(f"texts[{i}] is {type(text).__name__}, expected str")
-        results: list[Prediction] = []
         for start in range(0, len(items), self.batch_size):
-            chunk = items[start : start + self.batch_size]
-            raw = self._retrying(lambda t: self._transport.predict(chunk, self.signature_name, t), timeout)
-            if len(raw) != len(chunk):
-                raise ClientError(f"server returned {len(raw)} predictions for {len(chunk)} texts")
-            results.extend(self._prediction(text, label, probs) for text, (label, probs) in zip(chunk, raw))
-        return results
+            yield items[start : start + self.batch_size]
 
     def status(self, *, timeout: float | None = None) -> list[ModelVersionStatus]:
         """State of the model's versions (newest first as the server lists them)."""

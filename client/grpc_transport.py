@@ -25,7 +25,7 @@ from client.protos import (
     status_pb2,
     types_pb2,
 )
-from client.results import ModelVersionStatus, RawPrediction
+from client.results import EXPLAIN_SIGNATURE, ModelVersionStatus, RawExplanation, RawPrediction
 
 _MAX_MESSAGE = 64 * 1024 * 1024
 _STATES = get_model_status_pb2.ModelVersionStatus.State
@@ -58,6 +58,15 @@ class GrpcTransport:
     def close(self) -> None:
         self._channel.close()
 
+    def _call_predict(self, texts: Sequence[str], signature_name: str, timeout: float) -> Any:
+        request = predict_pb2.PredictRequest()
+        self._spec(request.model_spec, signature_name)
+        text = request.inputs["text"]
+        text.dtype = types_pb2.DT_STRING
+        text.tensor_shape.dim.add().size = len(texts)
+        text.string_val.extend(t.encode("utf-8") for t in texts)
+        return _call(self._predict.Predict, request, timeout, self.target).outputs
+
     def _spec(self, spec, signature_name: str | None = None) -> None:  # noqa: ANN001 - a ModelSpec
         spec.name = self.model
         if self.version is not None:
@@ -68,13 +77,7 @@ class GrpcTransport:
             spec.signature_name = signature_name
 
     def predict(self, texts: Sequence[str], signature_name: str, timeout: float) -> list[RawPrediction]:
-        request = predict_pb2.PredictRequest()
-        self._spec(request.model_spec, signature_name)
-        text = request.inputs["text"]
-        text.dtype = types_pb2.DT_STRING
-        text.tensor_shape.dim.add().size = len(texts)
-        text.string_val.extend(t.encode("utf-8") for t in texts)
-        outputs = _call(self._predict.Predict, request, timeout, self.target).outputs
+        outputs = self._call_predict(texts, signature_name, timeout)
         name = "probabilities" if "probabilities" in outputs else "scores" if "scores" in outputs else None
         if name is None:
             raise ClientError(f"unexpected predict response: outputs {sorted(outputs)}, no 'probabilities'")
@@ -83,6 +86,26 @@ class GrpcTransport:
         if "label" in outputs:
             labels = [v.decode("utf-8", "replace") for v in outputs["label"].string_val]
         return list(zip(labels, probabilities))
+
+    def explain(self, texts: Sequence[str], timeout: float) -> list[RawExplanation]:
+        """Predict with the model's `explain` signature (what a stock tensorflow_model_server serves too)."""
+        outputs = self._call_predict(texts, EXPLAIN_SIGNATURE, timeout)
+        missing = {"label", "probabilities", "ngrams", "contributions", "bias"} - set(outputs)
+        if missing:
+            raise ClientError(f"unexpected explain response: no {', '.join(sorted(missing))} output")
+        count = len(texts)
+        probabilities = _rows(outputs["probabilities"], count)
+        contributions = _rows(outputs["contributions"], count)
+        width = len(contributions[0]) if contributions else 0
+        ngrams = [v.decode("utf-8", "replace") for v in outputs["ngrams"].string_val]
+        bias = _rows(outputs["bias"], count, flat=True)
+        labels = [v.decode("utf-8", "replace") for v in outputs["label"].string_val]
+        if len(ngrams) != count * width or len(labels) != count:
+            raise ClientError(f"unexpected explain response: {len(ngrams)} n-grams, {len(labels)} labels "
+                              f"for {count} texts")
+        return [(labels[i], probabilities[i],
+                 [(g, c) for g, c in zip(ngrams[i * width:(i + 1) * width], contributions[i]) if g], bias[i][0])
+                for i in range(count)]
 
     def status(self, timeout: float) -> list[ModelVersionStatus]:
         request = get_model_status_pb2.GetModelStatusRequest()
@@ -114,9 +137,9 @@ class GrpcTransport:
         }
 
 
-def _rows(tensor, count: int) -> list[list[float]]:  # noqa: ANN001 - a TensorProto
-    """A [count, classes] float tensor as rows of Python floats (values in tensor_content or in
-    float_val/double_val, as servers choose)."""
+def _rows(tensor, count: int, flat: bool = False) -> list[list[float]]:  # noqa: ANN001 - a TensorProto
+    """A [count, classes] float tensor (or a [count] one, `flat`) as rows of Python floats (values
+    in tensor_content or in float_val/double_val, as servers choose)."""
     field, fmt = _FLOAT_FIELDS.get(tensor.dtype, (None, None))
     if field is None:
         raise ClientError(f"unexpected probabilities dtype {types_pb2.DataType.Name(tensor.dtype)}")
@@ -124,7 +147,8 @@ def _rows(tensor, count: int) -> list[list[float]]:  # noqa: ANN001 - a TensorPr
         values = [v for (v,) in struct.iter_unpack(fmt, tensor.tensor_content)]
     else:
         values = list(getattr(tensor, field))
-    return _split_rows(values, [d.size for d in tensor.tensor_shape.dim], count)
+    shape = [d.size for d in tensor.tensor_shape.dim]
+    return _split_rows(values, shape + [1] if flat and len(shape) == 1 else shape, count)
 
 
 def _split_rows(values: list[float], shape: list[int], count: int) -> list[list[float]]:
@@ -167,6 +191,9 @@ class V2GrpcTransport:
         if "label" in outputs:
             labels = [v.decode("utf-8", "replace") for v in _v2_bytes(response, *outputs["label"])]
         return list(zip(labels, probabilities))
+
+    def explain(self, texts: Sequence[str], timeout: float) -> list[RawExplanation]:
+        raise InvalidInput("explanations are not part of the Open Inference Protocol: use the rest or grpc transport")
 
     def status(self, timeout: float) -> list[ModelVersionStatus]:
         if self.version:

@@ -16,7 +16,7 @@ import urllib3
 from requests.adapters import HTTPAdapter
 
 from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, InvalidURL, ModelNotFound, ServerUnavailable
-from client.results import ModelVersionStatus, RawPrediction
+from client.results import ModelVersionStatus, RawExplanation, RawPrediction
 
 
 def parse_url(url: str) -> str:
@@ -65,6 +65,13 @@ class RestTransport:
         if not isinstance(predictions, list):
             raise ClientError(f"unexpected predict response: no 'predictions' list in {str(body)[:200]}")
         return [_raw_prediction(row) for row in predictions]
+
+    def explain(self, texts: Sequence[str], timeout: float) -> list[RawExplanation]:
+        body = self._request("POST", self.model_url + ":explain", {"instances": list(texts)}, timeout)
+        predictions = body.get("predictions") if isinstance(body, dict) else None
+        if not isinstance(predictions, list):
+            raise ClientError(f"unexpected explain response: no 'predictions' list in {str(body)[:200]}")
+        return [_raw_explanation(row) for row in predictions]
 
     def status(self, timeout: float) -> list[ModelVersionStatus]:
         body = self._request("GET", self.model_url, None, timeout)
@@ -125,6 +132,16 @@ def _raw_prediction(row: Any) -> RawPrediction:
     if not isinstance(probabilities, list) or not all(isinstance(p, (int, float)) for p in probabilities):
         raise ClientError(f"unexpected prediction (no 'probabilities' output): {str(row)[:200]}")
     return (label if isinstance(label, str) else None), probabilities
+
+
+def _raw_explanation(row: Any) -> RawExplanation:
+    """One row of an explain answer: label, probabilities, ngrams, contributions and bias."""
+    try:
+        label, probabilities = row["label"], [float(p) for p in row["probabilities"]]
+        pairs = list(zip(row["ngrams"], (float(c) for c in row["contributions"]), strict=True))
+        return str(label), probabilities, pairs, float(row["bias"])
+    except (KeyError, TypeError, ValueError):
+        raise ClientError(f"unexpected explanation: {str(row)[:200]}") from None
 
 
 def _http_error(response: requests.Response) -> ClientError:

@@ -36,12 +36,20 @@ from common.model import (
     PARAMETERS,
     STATISTICS,
     ModelConfig,
+    margin_attribution,
     mlp_forward,
     restore_model,
     row_softmax,
 )
 from common.run_dir import CHECKPOINT_DIR, MODEL_FILE, TMP_PREFIX, RunDirError, clean_leftovers, read_best, read_test
-from common.tf_serving import ASSETS_EXTRA, CLASSIFY_METHOD, CLASSIFY_SIGNATURE, DEFAULT_SIGNATURE, WARMUP_FILE
+from common.tf_serving import (
+    ASSETS_EXTRA,
+    CLASSIFY_METHOD,
+    CLASSIFY_SIGNATURE,
+    DEFAULT_SIGNATURE,
+    EXPLAIN_SIGNATURE,
+    WARMUP_FILE,
+)
 from common.vectorizer import VOCABULARY_FILE, TfIdf, load_vectorizer
 from common.versions import version_number
 from export.config import ExportConfig
@@ -89,9 +97,14 @@ class PlainMLP(tf.Module):
         for name in PARAMETERS + STATISTICS:
             setattr(self, name, tf.Variable(weights[name], trainable=False, name=name))
 
+    def params(self) -> dict[str, tf.Variable]:
+        return {name: getattr(self, name) for name in PARAMETERS + STATISTICS}
+
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
-        params = {name: getattr(self, name) for name in PARAMETERS + STATISTICS}
-        return mlp_forward(params, x, epsilon=self.epsilon, row_local=True)
+        return mlp_forward(self.params(), x, epsilon=self.epsilon, row_local=True)
+
+    def attribution(self, x: tf.SparseTensor, logits: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        return margin_attribution(self.params(), x, logits, epsilon=self.epsilon)
 
 
 class SentimentModel(tf.Module):
@@ -105,6 +118,8 @@ class SentimentModel(tf.Module):
         self.vectorizer = vectorizer
         self.mlp = mlp
         self.class_names = tf.constant(CLASS_NAMES)
+        names = vectorizer.vocabulary + [""] * (vectorizer.width - len(vectorizer.vocabulary))
+        self.ngram_names = tf.constant(names, tf.string)
 
     def _logits(self, text: tf.Tensor) -> tf.Tensor:
         return self.mlp(self.vectorizer.sparse(text))
@@ -116,6 +131,32 @@ class SentimentModel(tf.Module):
             "probabilities": row_softmax(logits),
             "logits": logits,
             "label": tf.gather(self.class_names, tf.argmax(logits, axis=1)),
+        }
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    def explain(self, text: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Why: each review's n-grams that reached the model with their contribution to the
+        predicted class's log-odds (`common.model.margin_attribution`), most supporting first;
+        `ngrams` and `contributions` are [batch, most n-grams of a review in this call], padded with
+        "" and 0. For every row, sum(contributions) + bias = ln(p_label / p_other)."""
+        features = self.vectorizer.sparse(text)
+        logits = self.mlp(features)
+        contributions, bias = self.mlp.attribution(features, logits)
+        rows, columns = features.indices[:, 0], features.indices[:, 1]
+        order = tf.argsort(-contributions, stable=True)  # within a row: most supporting first
+        order = tf.gather(order, tf.argsort(tf.gather(rows, order), stable=True))  # then by row
+        batch = tf.shape(text, out_type=tf.int64)[0]
+
+        def per_row(values: tf.Tensor, padding: object) -> tf.Tensor:
+            return tf.RaggedTensor.from_value_rowids(
+                tf.gather(values, order), tf.gather(rows, order), nrows=batch).to_tensor(padding)
+
+        return {
+            "probabilities": row_softmax(logits),
+            "label": tf.gather(self.class_names, tf.argmax(logits, axis=1)),
+            "ngrams": per_row(tf.gather(self.ngram_names, columns), ""),
+            "contributions": per_row(contributions, 0.0),
+            "bias": bias,
         }
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="inputs")])
@@ -293,6 +334,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             signatures={
                 DEFAULT_SIGNATURE: module.serve.get_concrete_function(),
                 CLASSIFY_SIGNATURE: module.classify.get_concrete_function(),
+                EXPLAIN_SIGNATURE: module.explain.get_concrete_function(),
             },
         )
         mark_classify(tmp)

@@ -41,7 +41,13 @@ singles = [predict(text=tf.constant([t]))["probabilities"].numpy()[0].tolist() f
 examples = [tf.train.Example(features=tf.train.Features(feature={"text": tf.train.Feature(
     bytes_list=tf.train.BytesList(value=[t.encode()]))})).SerializeToString() for t in texts]
 cls = classify(inputs=tf.constant(examples))
+explain = model.signatures["explain"]
+why = explain(text=tf.constant(texts))
+why_singles = [explain(text=tf.constant([t])) for t in texts]
 json.dump({
+    "explain": {k: (v.numpy().astype(str) if v.dtype == tf.string else v.numpy()).tolist() for k, v in why.items()},
+    "explain_singles": [{k: (v.numpy().astype(str) if v.dtype == tf.string else v.numpy()).tolist()[0]
+                         for k, v in w.items()} for w in why_singles],
     "probabilities": batch["probabilities"].numpy().tolist(),
     "logits": batch["logits"].numpy().tolist(),
     "label": [s.decode() for s in batch["label"].numpy()],
@@ -145,6 +151,55 @@ def test_signatures_follow_the_serving_contract(exported):
     assert classify.method_name == "tensorflow/serving/classify"
     assert spec(classify.inputs) == {"inputs": (string, [-1])}
     assert spec(classify.outputs) == {"classes": (string, [-1, 2]), "scores": (float32, [-1, 2])}
+    explain = signatures["explain"]
+    assert explain.method_name == "tensorflow/serving/predict"
+    assert spec(explain.inputs) == {"text": (string, [-1])}
+    assert spec(explain.outputs) == {
+        "probabilities": (float32, [-1, 2]), "label": (string, [-1]), "ngrams": (string, [-1, -1]),
+        "contributions": (float32, [-1, -1]), "bias": (float32, [-1])}
+    assert set(signatures) - {"__saved_model_init_op"} == {"serving_default", "classify", "explain"}
+
+
+# -- explanations ----------------------------------------------------------------------------------
+
+def test_explain_answers_what_predict_answers(loaded):
+    why = loaded["explain"]
+    np.testing.assert_array_equal(why["probabilities"], loaded["probabilities"])
+    assert why["label"] == loaded["label"]
+
+
+def test_contributions_and_bias_sum_to_the_log_odds_of_the_label(loaded):
+    why = loaded["explain"]
+    for i, text in enumerate(TEXTS):
+        p = max(why["probabilities"][i])
+        total = sum(why["contributions"][i]) + why["bias"][i]
+        assert total == pytest.approx(np.log(p / (1 - p)), abs=2e-4), text
+
+
+def test_explanations_list_the_reviews_known_ngrams_most_supporting_first(loaded, trained_run):
+    import tensorflow as tf
+
+    from common.vectorizer import load_vectorizer, tokens
+
+    vocabulary = set(load_vectorizer(trained_run).vocabulary)
+    why = loaded["explain"]
+    for i, text in enumerate(TEXTS):
+        ngrams, contributions = why["ngrams"][i], why["contributions"][i]
+        kept = ngrams.index("") if "" in ngrams else len(ngrams)
+        assert all(g == "" for g in ngrams[kept:]) and all(c == 0 for c in contributions[kept:])  # padding
+        expected = {t.decode() for t in tokens(tf.constant([text]), 1).flat_values.numpy()} & vocabulary
+        assert set(ngrams[:kept]) == expected and len(set(ngrams[:kept])) == kept, text
+        assert contributions[:kept] == sorted(contributions[:kept], reverse=True)
+    assert why["ngrams"][3] == [""] * len(why["ngrams"][3])  # out-of-vocabulary only: nothing to show
+
+
+def test_an_explanation_does_not_depend_on_its_batch(loaded):
+    why = loaded["explain"]
+    for i, single in enumerate(loaded["explain_singles"]):
+        width = len(single["ngrams"])
+        assert single["ngrams"] == why["ngrams"][i][:width] and set(why["ngrams"][i][width:]) <= {""}
+        assert single["contributions"] == why["contributions"][i][:width]
+        assert single["bias"] == why["bias"][i] and single["probabilities"] == why["probabilities"][i]
 
 
 def test_version_directory_layout(exported):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from serve.config import ServeConfig
+from serve.core import batcher as batcher_module
 from serve.core import errors
 from serve.core.batcher import Batcher
 from serve.core.dataplane import validate_inputs
@@ -175,9 +176,12 @@ def test_batcher_merges_concurrent_requests_and_returns_each_its_slice():
 @pytest.mark.parametrize("delay, alone, threads", [
     (0.0, True, ["model_0", "MainThread", "MainThread"]),  # fast and alone: no hop to the model thread
     (0.0, False, ["model_0", "model_0", "model_0"]),  # other requests in flight: they may batch
-    (0.01, True, ["model_0", "model_0", "model_0"]),  # slower than INLINE_MAX_S: keeps the loop free
+    (0.02, True, ["model_0", "model_0", "model_0"]),  # slower than INLINE_MAX_S: keeps the loop free
 ])
-def test_a_request_alone_on_a_fast_model_runs_without_the_thread_hop(delay, alone, threads):
+def test_a_request_alone_on_a_fast_model_runs_without_the_thread_hop(delay, alone, threads, monkeypatch):
+    # "fast" is a call well under the limit even on a loaded machine (a thread hop can take
+    # milliseconds there); "slow" one well over it
+    monkeypatch.setattr(batcher_module, "INLINE_MAX_S", 0.5 if delay == 0 else 0.005)
     model = Doubler(delay=delay)
 
     async def three(batcher):
@@ -186,6 +190,23 @@ def test_a_request_alone_on_a_fast_model_runs_without_the_thread_hop(delay, alon
     results = run_batcher(three, max_batch_size=8, batch_timeout_s=0, alone=lambda: alone)
     assert [int(r["y"][0]) for r in results] == [0, 2, 4]
     assert model.threads == threads
+
+
+def test_batcher_runs_a_request_alone_when_its_runner_cannot_be_merged():
+    """The explain signature pads its n-grams to the longest review of a call: each request runs
+    alone, so its answer never depends on what else was queued (other runners still batch)."""
+    alone, merged = Doubler(delay=0.01), Doubler(delay=0.01)
+    alone.mergeable = False
+
+    async def both(batcher):
+        return await asyncio.gather(_gather(batcher, alone, [{"x": np.arange(i, i + 2)} for i in range(8)]),
+                                    _gather(batcher, merged, [{"x": np.arange(i, i + 2)} for i in range(8)]))
+
+    results, _ = run_batcher(both, max_batch_size=16, batch_timeout_s=0.02, max_queued_rows=1000)
+    assert alone.calls == [2] * 8 and max(merged.calls) > 2
+    for i, result in enumerate(results):
+        np.testing.assert_array_equal(result["y"], np.arange(i, i + 2) * 2)
+
 
 
 def test_batcher_overload_fails_fast():
@@ -271,6 +292,7 @@ def test_batcher_waits_only_for_requests_on_their_way():
     ("GET", "/v1/models/m", ("m", None, None, None)),
     ("GET", "/v1/models/m/versions/3/metadata", ("m", 3, None, "metadata")),
     ("GET", "/v1/models/m/labels/canary", ("m", None, "canary", None)),
+    ("POST", "/v1/models/m/versions/2:explain", ("m", 2, None, "explain")),
 ])
 def test_parse_model_path(method, path, expected):
     p = parse_model_path(method, path)
@@ -278,7 +300,7 @@ def test_parse_model_path(method, path, expected):
 
 
 @pytest.mark.parametrize("method, path", [
-    ("POST", "/v1/models/m"), ("POST", "/v1/models/m:explain"), ("GET", "/v1/models/m/versions/x"),
+    ("POST", "/v1/models/m"), ("POST", "/v1/models/m:explain2"), ("GET", "/v1/models/m/versions/x"),
 ])
 def test_parse_model_path_malformed(method, path):
     with pytest.raises(errors.InvalidArgument, match="Malformed request"):

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 from app_client import AppClient, LoopThread
 from conftest import MODEL_NAME
@@ -150,6 +151,37 @@ def test_predict_renders_labels_and_bars(page, console_errors, tmp_path):
     expect(results.locator(".label")).to_have_text(["negative"])
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
     _screenshot(page, "web_page_narrow.png", tmp_path)
+    assert console_errors == []
+
+
+@pytest.mark.slow
+def test_words_are_highlighted_by_their_contribution(page, console_errors, tmp_path):
+    """The explanation arrives after the verdict and marks the review's words: blue and underlined
+    for positive, orange and dashed for negative, the exact weight on hover."""
+    page.get_by_label("Reviews, one per line").fill(f"{POSITIVE}\n{NEGATIVE}")
+    page.get_by_role("button", name="Predict").click()
+    results = page.locator("#results .result")
+    expect(results.nth(1).locator(".text.explained")).to_have_count(1)
+    expect(page.locator("#legend")).to_be_visible()
+    for i, text, kind in ((0, POSITIVE, "pro"), (1, NEGATIVE, "con")):
+        paragraph = results.nth(i).locator(".text")
+        expect(paragraph).to_have_text(text)  # marking words keeps the text as typed
+        strongest = paragraph.locator("mark.strong")
+        assert strongest.count() >= 1
+        assert all(c.startswith(f"{kind} ") for c in strongest.evaluate_all("ms => ms.map(m => m.className)"))
+        title = strongest.first.get_attribute("title")
+        assert re.fullmatch(r"[+-]\d+\.\d\d toward positive", title) and (title[0] == "+") == (kind == "pro")
+        style = strongest.first.evaluate("m => [getComputedStyle(m).textDecorationStyle, "
+                                         "getComputedStyle(m).textDecorationLine]")
+        assert style == ["solid" if kind == "pro" else "dashed", "underline"]  # readable without colour
+        # the screenshot shows the highlight: the mark's pixels lean blue (positive) or orange (negative)
+        from PIL import Image
+
+        strongest.first.screenshot(path=tmp_path / f"mark{i}.png")
+        pixels = np.asarray(Image.open(tmp_path / f"mark{i}.png").convert("RGB"), dtype=float).reshape(-1, 3)
+        red, _, blue = pixels.mean(axis=0)
+        assert (blue > red + 15) if kind == "pro" else (red > blue + 15), (kind, pixels.mean(axis=0))
+    _screenshot(page, "web_page_explained.png", tmp_path)
     assert console_errors == []
 
 

@@ -212,6 +212,8 @@ class Batcher:
                 return None
             await self._wait_for_work()
         batch, rows = [first], first.rows
+        if not getattr(first.runner, "mergeable", True):
+            return batch  # its outputs' shape depends on the whole call (see LoadedModel)
         close_at = self._loop.time() + self.batch_timeout_s
         while rows < self.max_batch_size:
             while self._queue:

@@ -23,7 +23,7 @@ from typing import Any, Callable, ContextManager, Mapping, Sequence
 import numpy as np
 
 from common.classes import CLASS_NAMES
-from common.tf_serving import CLASSIFY_METHOD
+from common.tf_serving import CLASSIFY_METHOD, EXPLAIN_SIGNATURE
 from serve.config import ServeConfig
 from serve.core.batcher import Batcher
 from serve.core.dtypes import NUMPY_DTYPES, bytes_array, dtype_name, short_dtype
@@ -38,6 +38,9 @@ TEXT_INPUT = "text"
 """A string input with this name holds review text: it must be non-empty, valid UTF-8."""
 CLASSIFY_FEATURES = (TEXT_INPUT,)
 """The tf.train.Example features a classify signature reads; edges convert no others."""
+EXPLAIN_NGRAMS = "ngrams"
+EXPLAIN_CONTRIBUTIONS = "contributions"
+"""Outputs of the explain signature padded to the longest review of a call ("" and 0)."""
 MAX_DIMS = 32
 VALUES_PER_ROW = 1024
 """Most values one row of a numeric input may hold (the declared shape is checked before decoding)."""
@@ -231,6 +234,14 @@ class ServingCore:
         validate_inputs(signature, inputs, self.config, row_label)
         return await self._run(model, signature_name, inputs, timeout_s)
 
+    async def explain(
+        self, model: LoadedModel, inputs: Mapping[str, np.ndarray], *, timeout_s: float | None = None,
+        row_label: RowLabel = _default_label,
+    ) -> dict[str, np.ndarray]:
+        """Run the model's explain signature (`export.exporter.SentimentModel.explain`)."""
+        explain_signature(model)
+        return await self.predict(model, EXPLAIN_SIGNATURE, inputs, timeout_s=timeout_s, row_label=row_label)
+
     async def classify(
         self, model: LoadedModel, signature_name: str, rows: Sequence[Mapping[str, Any]],
         context: Mapping[str, Any] | None = None, *, timeout_s: float | None = None,
@@ -306,6 +317,17 @@ def _classify_example(feature: Any, where: str, config: ServeConfig) -> bytes:
     example = example_pb2.Example()
     example.features.feature[TEXT_INPUT].CopyFrom(feature)
     return example.SerializeToString()
+
+
+def explain_signature(model: LoadedModel, requested: str = "") -> Signature:
+    """The signature an explanation runs; InvalidArgument when a request names another one or the
+    version was exported before explanations existed."""
+    if requested not in ("", EXPLAIN_SIGNATURE):
+        raise InvalidArgument(f"explanations come from the {EXPLAIN_SIGNATURE!r} signature, not {requested!r}")
+    if EXPLAIN_SIGNATURE not in model.signatures:
+        raise InvalidArgument(f"version {model.version} of model {model.name} has no {EXPLAIN_SIGNATURE!r} "
+                              "signature: export it again with this release's python -m export")
+    return model.signatures[EXPLAIN_SIGNATURE]
 
 
 def check_rows(rows: int, max_rows: int) -> None:
@@ -394,4 +416,4 @@ def _check_strings(name: str, array: np.ndarray, config: ServeConfig, row_label:
 
 
 __all__ = ["ServingCore", "Sentiment", "ServingError", "check_declared_shape", "check_rows", "check_shape", "check_text",
-           "validate_inputs"]
+           "explain_signature", "validate_inputs"]

@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from common.tf_serving import CLASSIFY_METHOD, WARMUP_FILE
+from common.tf_serving import CLASSIFY_METHOD, EXPLAIN_SIGNATURE, WARMUP_FILE
 from serve.core.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ class LoadedModel:
                 inputs={k: _tensor_info(v) for k, v in sig.inputs.items()},
                 outputs={k: _tensor_info(v) for k, v in sig.outputs.items()},
             )
-        self._runners = {name: _SignatureRunner(self._functions[name]) for name in self._functions}
+        self._runners = {name: _SignatureRunner(self._functions[name], _mergeable(self.signatures[name]))
+                         for name in self._functions}
 
     def signature(self, name: str) -> Signature:
         try:
@@ -131,11 +132,12 @@ class LoadedModel:
                 if name is not None:
                     self._runners[name](inputs)
                     calls += 1
-        default = self.signatures.get("serving_default")
-        if default is not None and list(default.inputs) == ["text"]:
-            for rows in sorted({1, max_batch_size}):
-                self._runners["serving_default"]({"text": np.array([b"warm up"] * rows, dtype=object)})
-                calls += 1
+        for name in ("serving_default", EXPLAIN_SIGNATURE):
+            signature = self.signatures.get(name)
+            if signature is not None and list(signature.inputs) == ["text"]:
+                for rows in sorted({1, max_batch_size}) if name == "serving_default" else [1]:
+                    self._runners[name]({"text": np.array([b"warm up"] * rows, dtype=object)})
+                    calls += 1
         return calls
 
     def _warmup_inputs(self, record: bytes) -> tuple[str | None, dict[str, np.ndarray]]:
@@ -160,18 +162,27 @@ class LoadedModel:
 
 
 class _SignatureRunner:
-    """Calls one concrete function with numpy inputs, returns numpy outputs."""
+    """Calls one concrete function with numpy inputs, returns numpy outputs. `mergeable`: whether
+    the batcher may merge requests into one call (see `_mergeable`)."""
 
-    __slots__ = ("_fn",)
+    __slots__ = ("_fn", "mergeable")
 
-    def __init__(self, fn) -> None:  # noqa: ANN001 - a ConcreteFunction
+    def __init__(self, fn, mergeable: bool = True) -> None:  # noqa: ANN001 - a ConcreteFunction
         self._fn = fn
+        self.mergeable = mergeable
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         import tensorflow as tf
 
         outputs = self._fn(**{k: tf.constant(v) for k, v in inputs.items()})
         return {k: v.numpy() for k, v in outputs.items()}
+
+
+def _mergeable(signature: Signature) -> bool:
+    """Requests may share a model call when every output has a fixed size past the batch axis. An
+    output such as the explain signature's n-grams ([batch, most n-grams of a review in the call],
+    padded) would otherwise change with what else was in the call: each request runs alone."""
+    return all(info.shape is not None and all(d >= 0 for d in info.shape[1:]) for info in signature.outputs.values())
 
 
 def _tensor_info(info) -> TensorInfo:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.tf_serving import CLASSIFY_METHOD, REGRESS_METHOD
+from common.tf_serving import CLASSIFY_METHOD, EXPLAIN_SIGNATURE, REGRESS_METHOD
 from common.versions import MAX_VERSION
 from serve.core.loaded_model import Signature
 
@@ -68,6 +68,10 @@ def _v1_model_paths(prefix: str, parameters: list, schemas: dict) -> dict[str, A
     if "ClassifyRequest" in schemas:
         paths[f"{prefix}:classify"] = {"post": _post("Classify tf.Examples (TF Serving REST classify)",
                                                      parameters, "ClassifyRequest", "ClassifyResponse")}
+    if "ExplainRequest" in schemas:
+        paths[f"{prefix}:explain"] = {"post": _post(
+            "Explain: each text's n-grams with their contribution to the predicted class's log-odds (KServe V1's "
+            "verb, TF Serving's request body; the explain signature)", parameters, "ExplainRequest", "ExplainResponse")}
     if "RegressRequest" in schemas:
         paths[f"{prefix}:regress"] = {"post": _post("Regress tf.Examples (TF Serving REST regress)",
                                                     parameters, "RegressRequest", "Status")}
@@ -154,6 +158,10 @@ def _schemas(max_rows: int, signatures: dict[str, Signature] | None) -> dict[str
     (name,) = signature.inputs
     schemas["PredictRequest"] = _predict_request(name, rows)
     schemas["V2InferRequest"] = _v2_infer_request(name, sorted(signature.outputs))
+    if EXPLAIN_SIGNATURE in signatures:
+        explain = _predict_request(name, rows)
+        explain["properties"]["signature_name"] = {"enum": ["", EXPLAIN_SIGNATURE]}
+        schemas["ExplainRequest"] = explain
     classify = [n for n, s in sorted(signatures.items()) if s.method_name == CLASSIFY_METHOD]
     if classify:
         schemas["ClassifyRequest"] = _classify_request(rows, classify)
@@ -234,6 +242,15 @@ _RESPONSES: dict[str, Any] = {
             "probabilities": {"type": "array", "items": {"type": "number"}},
             "logits": {"type": "array", "items": {"type": "number"}},
             "label": {"type": "string"}}}},
+        "outputs": {"type": "object"},
+    }},
+    "ExplainResponse": {"type": "object", "properties": {
+        "predictions": {"type": "array", "items": {"type": "object", "properties": {
+            "label": {"type": "string"},
+            "probabilities": {"type": "array", "items": {"type": "number"}},
+            "ngrams": {"type": "array", "items": {"type": "string"}, "description": "most supporting first"},
+            "contributions": {"type": "array", "items": {"type": "number"}},
+            "bias": {"type": "number", "description": "sum(contributions) + bias = ln(p_label / p_other)"}}}},
         "outputs": {"type": "object"},
     }},
     "ClassifyResponse": {"type": "object", "properties": {"results": {"type": "array", "items": {

@@ -21,14 +21,14 @@ import numpy as np
 import orjson
 
 from common.versions import version_number
-from serve.core.dataplane import CLASSIFY_FEATURES, check_rows
+from serve.core.dataplane import CLASSIFY_FEATURES, EXPLAIN_CONTRIBUTIONS, EXPLAIN_NGRAMS, check_rows
 from serve.core.dtypes import NUMPY_DTYPES, bytes_array
 from serve.core.errors import InvalidArgument
 from serve.core.loaded_model import Signature
 
 # The URL grammar of TF Serving's http_rest_api_handler.cc (case-insensitive).
 _PREDICT_RE = re.compile(
-    r"(?i)/v1/models/([^/:]+)(?:(?:/versions/([0-9]+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)"
+    r"(?i)/v1/models/([^/:]+)(?:(?:/versions/([0-9]+))|(?:/labels/([^/:]+)))?:(classify|regress|predict|explain)"
 )
 _STATUS_RE = re.compile(r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/([0-9]+))|(?:/labels/([^/:]+)))?(?:/(metadata))?")
 
@@ -39,7 +39,7 @@ class ModelPath:
     version: int | None
     label: str | None
     verb: str | None
-    """`predict`, `classify`, `regress` for POST; `metadata` or None (status) for GET."""
+    """`predict`, `classify`, `regress`, `explain` for POST; `metadata` or None (status) for GET."""
 
 
 CACHED_PATH_CHARS = 256
@@ -282,6 +282,19 @@ def format_predict(outputs: Mapping[str, np.ndarray], row_format: bool) -> dict[
     if len(columns) == 1:
         (values,) = columns.values()
         return {"outputs": values}
+    return {"outputs": columns}
+
+
+def format_explain(outputs: Mapping[str, np.ndarray], row_format: bool) -> dict[str, Any]:
+    """The explain signature's answer with each row's n-grams and contributions cut to its own
+    (the signature pads them to the longest review of the call)."""
+    kept = [int(n) for n in (outputs[EXPLAIN_NGRAMS] != b"").sum(axis=1)]
+    columns = {name: _jsonable(name, array) for name, array in outputs.items()}
+    for name in (EXPLAIN_NGRAMS, EXPLAIN_CONTRIBUTIONS):
+        columns[name] = [row[:n] for row, n in zip(columns[name], kept)]
+    if row_format:
+        names = list(columns)
+        return {"predictions": [dict(zip(names, row)) for row in zip(*columns.values())]}
     return {"outputs": columns}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from common.tf_serving import REGRESS_METHOD
 from serve.config import ServeConfig
-from serve.core.dataplane import ServingCore
+from serve.core.dataplane import ServingCore, explain_signature
 from serve.core.errors import InvalidArgument, ServingError
 from serve.core.metrics import CONTENT_TYPE_LATEST
 from serve.http import v1_codec as protocol
@@ -38,6 +38,9 @@ class RestApi:
             if path.verb == "predict":
                 signature_name = protocol.signature_name(body)
                 inputs, row_format = protocol.parse_predict(body, model.signature(signature_name), max_rows)
+            elif path.verb == "explain":
+                signature = explain_signature(model, protocol.signature_name(body, default=""))
+                inputs, row_format = protocol.parse_predict(body, signature, max_rows)
             elif path.verb == "classify":
                 signature_name, examples, context = protocol.parse_classify(body, max_rows)
             else:
@@ -47,6 +50,10 @@ class RestApi:
             row_label = protocol.instances_label if row_format else protocol.inputs_label
             outputs = await core.predict(model, signature_name, inputs, row_label=row_label)
             return json_response(protocol.format_predict(outputs, row_format))
+        if path.verb == "explain":
+            row_label = protocol.instances_label if row_format else protocol.inputs_label
+            outputs = await core.explain(model, inputs, row_label=row_label)
+            return json_response(protocol.format_explain(outputs, row_format))
         _, outputs = await core.classify(model, signature_name, examples, context)
         return json_response(protocol.format_classify(outputs["classes"], outputs["scores"]))
 

@@ -1,5 +1,6 @@
-// The review page: POST the lines to v1/sentiment, render label + confidence bars, show the model
-// version (v1/models/NAME) and poll readyz. URLs are relative so a path-prefix proxy works too.
+// The review page: POST the lines to v1/sentiment, render label + confidence bars, then ask
+// v1/models/NAME:explain why and highlight each review's words by their contribution; show the
+// model version (v1/models/NAME) and poll readyz. URLs are relative so a path-prefix proxy works too.
 "use strict";
 
 const POLL_MS = 5000;
@@ -87,9 +88,90 @@ function renderResult(text, result) {
   return item;
 }
 
+// -- explanations ----------------------------------------------------------------------------------
+
+// The model's text cleaning (common/vectorizer.py): <br> and punctuation separate words, apostrophes
+// are dropped, case is folded. Returns each word of `text` with where it is.
+const SEPARATOR = /<br\s*\/?>|[!"#$%&()*+,\-./:;<=>?@[\\\]^_`{|}~\s]/giu;
+function words(text) {
+  const out = [];
+  let start = 0;
+  const add = (end) => {
+    const word = text.slice(start, end).toLowerCase().replaceAll("'", "");
+    if (word) out.push({ word, start, end });
+  };
+  for (const match of text.matchAll(SEPARATOR)) {
+    add(match.index);
+    start = match.index + match[0].length;
+  }
+  add(text.length);
+  return out;
+}
+
+// Each word's share of the n-grams it is part of, toward "positive" (the model explains its label):
+// an n-gram's contribution is split over its occurrences and their words.
+function wordScores(tokens, explanation) {
+  const scores = new Array(tokens.length).fill(0);
+  const sign = explanation.label === "positive" ? 1 : -1;
+  explanation.ngrams.forEach((ngram, k) => {
+    const parts = ngram.split(" ");
+    const at = [];
+    for (let i = 0; i + parts.length <= tokens.length; i++) {
+      if (parts.every((part, j) => tokens[i + j].word === part)) at.push(i);
+    }
+    const share = (sign * explanation.contributions[k]) / (at.length * parts.length);
+    for (const i of at) for (let j = 0; j < parts.length; j++) scores[i + j] += share;
+  });
+  return scores;
+}
+
+// The review with its words marked: colour (blue for positive, orange for negative, stronger with
+// the weight) and, for readers without colour, a solid underline for positive and a dashed one for
+// negative, thicker for the stronger half, plus the exact value on hover and for screen readers.
+function highlight(paragraph, text, explanation) {
+  const tokens = words(text);
+  const scores = wordScores(tokens, explanation);
+  const strongest = Math.max(...scores.map(Math.abs), 1e-9);
+  const parts = [];
+  let last = 0;
+  tokens.forEach((token, i) => {
+    const weight = scores[i] / strongest;
+    if (Math.abs(weight) < 0.05) return;
+    parts.push(document.createTextNode(text.slice(last, token.start)));
+    const mark = document.createElement("mark");
+    mark.className = `${weight > 0 ? "pro" : "con"}${Math.abs(weight) >= 0.5 ? " strong" : ""}`;
+    mark.style.setProperty("--weight", Math.abs(weight).toFixed(2));
+    mark.textContent = text.slice(token.start, token.end);
+    const what = `${scores[i] > 0 ? "+" : ""}${scores[i].toFixed(2)} toward positive`;
+    mark.title = what;
+    mark.setAttribute("aria-label", `${mark.textContent} (${what})`);
+    parts.push(mark);
+    last = token.end;
+  });
+  parts.push(document.createTextNode(text.slice(last)));
+  paragraph.replaceChildren(...parts);
+  paragraph.classList.add("explained");
+}
+
+async function explain(items, texts) {
+  try {
+    const { body } = await api(`v1/models/${encodeURIComponent(MODEL)}:explain`, {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ instances: texts }),
+    });
+    body.predictions.forEach((explanation, i) => highlight(items[i].querySelector(".text"), texts[i], explanation));
+    $("legend").hidden = false;
+  } catch (err) {
+    $("legend").hidden = true;
+    $("results-meta").textContent += ` (no explanation: ${err.message})`;
+  }
+}
+
 // after an error: don't leave old results looking like answers to the new input
 function clearResults() {
   $("results").replaceChildren();
+  $("legend").hidden = true;
   $("results-meta").textContent = "";
 }
 
@@ -112,11 +194,14 @@ async function predict() {
       body: JSON.stringify({ texts }),
     });
     showError("");
-    $("results").replaceChildren(...body.map((result, i) => renderResult(texts[i], result)));
+    const items = body.map((result, i) => renderResult(texts[i], result));
+    $("legend").hidden = true;
+    $("results").replaceChildren(...items);
     const version = response.headers.get("X-Model-Version");
     const ms = Math.round(performance.now() - started);
     $("results-meta").textContent =
       `· ${texts.length} review${texts.length === 1 ? "" : "s"}${version ? `, version ${version}` : ""}, ${ms} ms`;
+    await explain(items, texts);
   } catch (err) {
     showError(err.message);
     clearResults();
