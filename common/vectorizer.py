@@ -22,11 +22,10 @@ sharded over the mesh the run started on.
 
 from __future__ import annotations
 
-import collections
 import json
 import math
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -73,12 +72,33 @@ def vocabulary_keys(vocabulary: Sequence[str]) -> tf.Tensor:
     """The key `TfIdf.sparse` computes for each vocabulary entry (words joined by single spaces)."""
     if not vocabulary:
         return tf.constant([-1], tf.int64)  # a key no text has: the table needs one entry
-    split = tf.strings.split(tf.constant(list(vocabulary), tf.string), sep=" ")
+    return ngram_string_keys(tf.constant(list(vocabulary), tf.string))
+
+
+def ngram_string_keys(ngrams: tf.Tensor) -> tf.Tensor:
+    """The keys of n-gram strings (words joined by single spaces), [n] -> [n] int64."""
+    split = tf.strings.split(ngrams, sep=" ")
     hashes = tf.ragged.map_flat_values(tf.strings.to_hash_bucket_fast, split, _HASH_BUCKETS).to_tensor(-1)
-    keys = hashes[:, 0]
-    for n in range(1, hashes.shape[1]):
+    keys = hashes[:, 0] if hashes.shape[1] != 0 else tf.zeros([tf.shape(ngrams)[0]], tf.int64)
+    for n in range(1, hashes.shape[1] or 0):
         keys = tf.where(hashes[:, n] >= 0, ngram_key(keys, hashes[:, n]), keys)
     return keys
+
+
+def ngram_keys(texts: tf.Tensor, ngrams: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """(key, row) of every 1..n-gram of the texts, flat: unigrams of all rows first, then bigrams,
+    ... (an n-gram belongs to its first word's row). A window that would span two texts gets the
+    key `_NO_KEY`, which no n-gram has. No n-gram string is built: each word is hashed once."""
+    split = tf.raw_ops.StringSplitV2(input=standardize(texts), sep="")  # "": on whitespace
+    rows = split.indices[:, 0]
+    hashes = tf.strings.to_hash_bucket_fast(split.values, _HASH_BUCKETS)
+    keys, key_rows, level = [hashes], [rows], hashes
+    for n in range(1, ngrams):
+        same_row = tf.equal(rows[:-n], rows[n:])  # the n-gram's first and last word
+        level = tf.where(same_row, ngram_key(level[:-1], hashes[n:]), tf.constant(_NO_KEY, tf.int64))
+        keys.append(level)
+        key_rows.append(rows[:-n])
+    return tf.concat(keys, axis=0), tf.concat(key_rows, axis=0)
 
 
 class TfIdf(tf.Module):
@@ -132,20 +152,11 @@ class TfIdf(tf.Module):
                                tf.stack([batch, width]))
 
     def _ngram_ids(self, texts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """(vocabulary id, row) of every 1..n-gram of the texts that is in the vocabulary, flat:
-        unigrams of all rows first, then bigrams, ... (an n-gram belongs to its first word's row)."""
-        split = tf.raw_ops.StringSplitV2(input=standardize(texts), sep="")  # "": on whitespace
-        rows = split.indices[:, 0]
-        hashes = tf.strings.to_hash_bucket_fast(split.values, _HASH_BUCKETS)
-        keys, key_rows, level = [hashes], [rows], hashes
-        for n in range(1, self.settings.ngrams):
-            same_row = tf.equal(rows[:-n], rows[n:])  # the n-gram's first and last word
-            level = tf.where(same_row, ngram_key(level[:-1], hashes[n:]), tf.constant(_NO_KEY, tf.int64))
-            keys.append(level)
-            key_rows.append(rows[:-n])
-        ids = self.table.lookup(tf.concat(keys, axis=0))
+        """(vocabulary id, row) of every 1..n-gram of the texts that is in the vocabulary."""
+        keys, rows = ngram_keys(texts, self.settings.ngrams)
+        ids = self.table.lookup(keys)
         known = tf.where(ids >= 0)[:, 0]
-        return tf.gather(ids, known), tf.gather(tf.concat(key_rows, axis=0), known)
+        return tf.gather(ids, known), tf.gather(rows, known)
 
     def dense(self, texts: tf.Tensor) -> tf.Tensor:
         """The same rows as a dense [batch, width] float32 tensor (one batch at a time only)."""
@@ -177,34 +188,96 @@ def build_vocabulary(
     """Count n-grams over the training texts, chunk by chunk, and keep the `max_tokens` most
     frequent (ties broken alphabetically) that occur in at least `min_df` texts. idf is
     scikit-learn's smoothed ln((1 + n) / (1 + df)) + 1. The width is the kept count rounded up to
-    a multiple of `multiple` (so the mesh's feature dimension divides it). `progress(k)` is told
-    of every k texts done. With `settings.nb_weighting`, `labels` (0 or 1 per text) give each kept
-    n-gram its naive-Bayes weight (`nb_weights`)."""
+    a multiple of `multiple` (so the mesh's feature dimension divides it). With
+    `settings.nb_weighting`, `labels` (0 or 1 per text) give each kept n-gram its naive-Bayes
+    weight (`nb_weights`). `progress(k)` is told of every k texts done, in each of two passes.
+
+    Counting is by the n-grams' integer keys (`ngram_string_keys`) in numpy, not by their strings:
+    trigrams of 25,000 IMDB reviews are ~8 million distinct strings, gigabytes as Python objects;
+    a second pass collects the strings of the n-grams that can be kept, and only those."""
     if settings.nb_weighting and (labels is None or len(labels) != len(texts)):
         raise ValueError("naive-Bayes weighting needs one label per training text")
-    term_counts: collections.Counter[bytes] = collections.Counter()
-    doc_counts: collections.Counter[bytes] = collections.Counter()
-    positive_counts: collections.Counter[bytes] = collections.Counter()
+    positive_texts = np.asarray(labels if settings.nb_weighting else np.zeros(len(texts)), bool)
+    counts = _NgramCounts()
     for start in range(0, len(texts), chunk):
-        batch = tokens(tf.constant(list(texts[start : start + chunk])), settings.ngrams)
-        for offset, row in enumerate(_rows(batch)):
-            term_counts.update(row)
-            present = set(row)
-            doc_counts.update(present)
-            if settings.nb_weighting and labels[start + offset]:
-                positive_counts.update(present)
+        keys, rows = _chunk_keys(texts[start : start + chunk], settings.ngrams)
+        counts.add(keys, rows, positive_texts[start : start + chunk])
         if progress is not None:
             progress(min(chunk, len(texts) - start))
-    kept = [(-count, token) for token, count in term_counts.items() if doc_counts[token] >= settings.min_df]
-    kept.sort()
-    chosen = [token for _, token in kept[:max_tokens]]
+    keys, terms, docs, positive = counts.totals()
+    frequent = docs >= settings.min_df
+    keys, terms, docs, positive = keys[frequent], terms[frequent], docs[frequent], positive[frequent]
+    if len(keys) > max_tokens:  # keep the candidates: counts above the cut, and the ties at it
+        cut = np.partition(terms, len(terms) - max_tokens)[len(terms) - max_tokens]
+        candidates = terms >= cut
+        keys, terms, docs, positive = keys[candidates], terms[candidates], docs[candidates], positive[candidates]
+    strings = _strings_of(keys, texts, settings.ngrams, chunk, progress)
+    order = sorted(range(len(keys)), key=lambda i: (-terms[i], strings[i]))[:max_tokens]
+    chosen = [strings[i] for i in order]
     n = len(texts)
-    idf = np.array([math.log((1 + n) / (1 + doc_counts[t])) + 1.0 for t in chosen], np.float32)
+    idf = np.array([math.log((1 + n) / (1 + docs[i])) + 1.0 for i in order], np.float32)
     nb = None
     if settings.nb_weighting:
-        positive = np.array([positive_counts[t] for t in chosen], np.float64)
-        nb = nb_weights(positive, np.array([doc_counts[t] for t in chosen], np.float64) - positive)
+        pos = positive[order].astype(np.float64)
+        nb = nb_weights(pos, docs[order].astype(np.float64) - pos)
     return TfIdf([t.decode("utf-8") for t in chosen], idf, settings, round_width(len(chosen), multiple), nb)
+
+
+def _chunk_keys(texts: Sequence[str], ngrams: int) -> tuple[np.ndarray, np.ndarray]:
+    """(key, text index) of every 1..n-gram of `texts`."""
+    keys, rows = (t.numpy() for t in ngram_keys(tf.constant(list(texts)), ngrams))
+    real = keys != _NO_KEY
+    return keys[real], rows[real]
+
+
+class _NgramCounts:
+    """Per n-gram key: occurrences, texts holding it, positive texts holding it; merged in numpy."""
+
+    MERGE_AT = 4_000_000
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[np.ndarray, ...]] = []
+        self._pending = 0
+
+    def add(self, keys: np.ndarray, rows: np.ndarray, positive_texts: np.ndarray) -> None:
+        unique, inverse = np.unique(keys, return_inverse=True)
+        order = np.lexsort((keys, rows))  # (text, key) pairs sorted: the first of each is a text holding it
+        first = np.ones(len(order), bool)
+        first[1:] = (rows[order][1:] != rows[order][:-1]) | (keys[order][1:] != keys[order][:-1])
+        held, held_rows = inverse[order][first], rows[order][first]
+        size = len(unique)
+        self._parts.append((unique, np.bincount(inverse, minlength=size), np.bincount(held, minlength=size),
+                            np.bincount(held[positive_texts[held_rows]], minlength=size)))
+        self._pending += size
+        if self._pending > self.MERGE_AT:
+            self._parts = [self.totals()]
+            self._pending = len(self._parts[0][0])
+
+    def totals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        if not self._parts:
+            return tuple(np.zeros(0, np.int64) for _ in range(4))  # type: ignore[return-value]
+        columns = [np.concatenate(c) for c in zip(*self._parts)]
+        unique, inverse = np.unique(columns[0], return_inverse=True)
+        summed = [np.bincount(inverse, weights=c, minlength=len(unique)).astype(np.int64) for c in columns[1:]]
+        return unique, *summed
+
+
+def _strings_of(keys: np.ndarray, texts: Sequence[str], ngrams: int, chunk: int,
+                progress: Callable[[int], None] | None) -> list[bytes]:
+    """The n-gram string of each key (keys sorted, as `np.unique` leaves them), from a second pass."""
+    found: dict[int, bytes] = {}
+    for start in range(0, len(texts), chunk):
+        if len(found) < len(keys):
+            batch = tokens(tf.constant(list(texts[start : start + chunk])), ngrams).flat_values
+            chunk_keys = ngram_string_keys(batch).numpy()
+            wanted = np.flatnonzero(np.isin(chunk_keys, keys))
+            if len(wanted):
+                strings = batch.numpy()
+                for i in wanted.tolist():
+                    found.setdefault(int(chunk_keys[i]), strings[i])
+        if progress is not None:
+            progress(min(chunk, len(texts) - start))
+    return [found[k] for k in keys.tolist()]
 
 
 def nb_weights(positive_docs: np.ndarray, negative_docs: np.ndarray, alpha: float = 1.0) -> np.ndarray:
@@ -213,13 +286,6 @@ def nb_weights(positive_docs: np.ndarray, negative_docs: np.ndarray, alpha: floa
     points to) is the model's to learn; its size says how much the n-gram separates the classes."""
     p, q = positive_docs + alpha, negative_docs + alpha
     return np.abs(np.log(p / p.sum()) - np.log(q / q.sum())).astype(np.float32)
-
-
-def _rows(ragged: tf.RaggedTensor) -> Iterable[list[bytes]]:
-    values = ragged.flat_values.numpy().tolist()
-    splits = ragged.row_splits.numpy().tolist()
-    for a, b in zip(splits[:-1], splits[1:]):
-        yield values[a:b]
 
 
 def save_vectorizer(vectorizer: TfIdf, run_dir: Path) -> Path:
