@@ -22,7 +22,7 @@ MODEL_NAME = "sentiment"
 # A tiny but real training run, shared by the export tests and the serving tests' model versions.
 # A model-parallel mesh, so export has to gather sharded variables; 2 devices keep it quick on 2 cores.
 # Unigrams and no dropout: on 1,000 reviews a 512-wide vocabulary is better spent on words than word pairs.
-TINY_TRAIN = dict(limit=1000, max_tokens=512, ngrams=1, dropout=0.0, hidden=16, epochs=2, batch_size=32,
+TINY_TRAIN = dict(limit=1000, refit=False, max_tokens=512, ngrams=1, dropout=0.0, hidden=16, epochs=2, batch_size=32,
                   learning_rate=1e-2, devices=2, mesh="batch=1,model=2", progress=False, tensorboard=False,
                   patience=0)
 _RUNS: dict[int, Path] = {}

@@ -33,11 +33,11 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 # The whole bundled corpus with the default vocabulary, a narrow model: an epoch in seconds.
-LEARN = dict(hidden=16, batch_size=64, epochs=1, learning_rate=3e-3, progress=False)
+LEARN = dict(hidden=16, batch_size=64, epochs=1, learning_rate=3e-3, progress=False, refit=False)
 # Mechanics (checkpoints, resume, errors) only: a capped corpus, small vocabulary, no dropout and
 # no validation split unless a test wants them.
 TINY = dict(limit=1000, max_tokens=400, hidden=16, batch_size=32, epochs=2, progress=False, learning_rate=3e-3,
-            dropout=0.0, validation_fraction=0.0, tensorboard=False)
+            dropout=0.0, validation_fraction=0.0, tensorboard=False, refit=False)
 # Run-directory mechanics that do not depend on the mesh: 2 devices (feature=2) dispatch faster.
 MECHANICS = dict(TINY, devices=2)
 
@@ -180,6 +180,32 @@ def test_the_best_checkpoint_survives_keep_n_and_is_what_export_takes(tmp_path: 
     latest = export_model(ExportConfig(checkpoint_dir=str(run_dir), model_dir=str(tmp_path / "m"),
                                        checkpoint="latest"))
     assert Path(latest.checkpoint).name == f"ckpt-{lines[-1]['step']}"
+
+
+def test_refit_trains_again_on_all_the_data_for_the_epochs_validation_chose(tmp_path: Path) -> None:
+    from export import ExportConfig, export_model
+
+    run_dir = tmp_path / "run"
+    config = TrainConfig(run_dir=str(run_dir), **dict(MECHANICS, epochs=4, patience=1, validation_fraction=0.2,
+                                                       learning_rate=0.05, refit=True))
+    result = train(config)
+    chosen = [json.loads(x) for x in (run_dir / "selection" / METRICS_FILE).read_text().splitlines()]
+    best_epoch = max(r["epoch"] for r in chosen if r["best"])
+    selected = json.loads((run_dir / "selection" / BEST_FILE).read_text())
+    assert result.validation_accuracy == selected["validation_accuracy"]
+    assert not (run_dir / "selection" / TEST_FILE).exists()  # the test split is seen once, by the final model
+    final = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines()]
+    assert [r["epoch"] for r in final] == list(range(1, best_epoch + 1)) and "validation_accuracy" not in final[-1]
+    saved = json.loads((run_dir / "train_config.json").read_text())
+    assert (saved["validation_fraction"], saved["epochs"], saved["refit"]) == (0.0, best_epoch, False)
+    # 1,000 training reviews: 800 (25 batches of 32) to choose, all 1,000 (31 batches) for the model
+    assert chosen[0]["step"] == 25 and final[-1]["step"] == 31 * best_epoch
+    assert (result.epoch, result.test_accuracy) == (best_epoch, json.loads((run_dir / TEST_FILE).read_text())[
+        "test_accuracy"])
+    exported = export_model(ExportConfig(checkpoint_dir=str(run_dir), model_dir=str(tmp_path / "m")))
+    assert Path(exported.checkpoint).name == result.best_checkpoint == f"ckpt-{final[-1]['step']}"
+    again = train(config)  # both runs finished: nothing is trained again
+    assert (again.step, again.test_accuracy) == (result.step, result.test_accuracy)
 
 
 def test_patience_stops_early(tmp_path: Path) -> None:

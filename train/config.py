@@ -28,6 +28,9 @@ class TrainConfig:
     validation_fraction: float = option(
         0.1, "share of the training data held out (per class, seeded) to pick the best epoch; 0: keep the last"
     )
+    refit: bool = option(True, "after the validation split has chosen the number of epochs (in RUN_DIR/selection), "
+                         "train again from scratch on all the training data, validation reviews included, for that "
+                         "many epochs (about twice the time; no effect with --validation-fraction 0)")
     limit: int | None = option(None, "use at most this many examples per split (quick runs)")
     run_dir: str = option("runs/default", "where checkpoints, vocabulary, config and metrics go")
 

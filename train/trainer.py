@@ -69,6 +69,8 @@ from train.state import TrainProgress, TrainState, to_host
 
 log = logging.getLogger(__name__)
 
+SELECTION_DIR = "selection"
+"""Inside a run directory trained with --refit: the run that chose the number of epochs."""
 
 
 class TrainingError(RuntimeError):
@@ -90,15 +92,35 @@ class TrainResult:
     epoch: int
     best_checkpoint: str
     validation_accuracy: float | None
-    test_loss: float
-    test_accuracy: float
+    test_loss: float | None
+    test_accuracy: float | None
+    """None for the run that only chose the epochs of a refit."""
     history: list[dict]
 
 
 def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
-    """Train (or resume) per `config`; everything goes to `config.run_dir` (see common.run_dir)."""
-    run_dir, resuming = _prepare_run_dir(config)
+    """Train (or resume) per `config`; everything goes to `config.run_dir` (see common.run_dir).
+
+    With `--refit` (and a validation split) that run only chooses the number of epochs, in
+    RUN_DIR/selection; the model in RUN_DIR is then trained again from scratch, vocabulary
+    included, on all the training data (validation reviews too) for that many epochs. Held-out
+    reviews find the stopping point; they are not lost to the model that gets exported."""
     mesh = mesh or make_mesh(config)
+    if not (config.refit and config.validation_fraction > 0):
+        return _train_run(config, mesh)
+    selection = _train_run(dataclasses.replace(config, run_dir=str(Path(config.run_dir) / SELECTION_DIR),
+                                               refit=False), mesh, test=False)
+    epochs = max((h["epoch"] for h in selection.history if h.get("best")), default=selection.epoch)  # the best
+    log.info("refit: %s chose %d epoch(s) (validation accuracy %.4f); training again on all the training data",
+             SELECTION_DIR, epochs, selection.validation_accuracy or float("nan"))
+    final = _train_run(dataclasses.replace(config, validation_fraction=0.0, epochs=epochs, patience=0, refit=False),
+                       mesh)
+    return dataclasses.replace(final, validation_accuracy=selection.validation_accuracy)
+
+
+def _train_run(config: TrainConfig, mesh: dtensor.Mesh, test: bool = True) -> TrainResult:
+    """One training run in `config.run_dir`; the test split is evaluated when `test`."""
+    run_dir, resuming = _prepare_run_dir(config)
     splits = load_splits(config)
     log.info("data: %s (%d train, %s validation, %d test)", splits.source, len(splits.train.texts),
              len(splits.validation.texts) if splits.validation else "no", len(splits.test.texts))
@@ -131,7 +153,7 @@ def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
                     _end_epoch(run, splits.validation, progress)
                 else:
                     _save(run, progress)  # stopped mid-epoch by --max-steps
-        return _test(run, splits.test, progress)
+        return _test(run, splits.test, progress) if test else _selected(run, progress)
     finally:
         report.close()
 
@@ -336,6 +358,13 @@ def _test(run: _Run, test: Split, progress: TrainProgress) -> TrainResult:
         run.report.test(progress.step, loss, accuracy, checkpoint)
     return TrainResult(run.run_dir, progress.step, progress.epoch, checkpoint,
                        best.get("validation_accuracy") if best else None, loss, accuracy, run.report.history)
+
+
+def _selected(run: _Run, progress: TrainProgress) -> TrainResult:
+    """A run that only selects (the refit's first run): its best checkpoint, no test score."""
+    best = read_best(run.run_dir) or {}
+    return TrainResult(run.run_dir, progress.step, progress.epoch, best.get("checkpoint", ""),
+                       best.get("validation_accuracy"), None, None, run.report.history)
 
 
 # -- signals and the mesh ------------------------------------------------------------------------
