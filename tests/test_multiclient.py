@@ -43,13 +43,14 @@ tolerance of a hundredth of the learning rate; losses and accuracies stay within
 # Tiny and quick: 128 rows, 13 held out for validation -> 3 steps of 32 per epoch, one compiled call per
 # epoch. No dropout: its masks depend on how a mesh shards the hidden layer.
 SMALL = dict(limit=128, max_tokens=64, hidden=16, batch_size=32, learning_rate=0.01, seed=3, steps_per_call=4,
-             strategy="data", dropout=0.0)
+             strategy="data", dropout=0.0, refit=False)
 
 
 def train_flags(**values) -> list[str]:
     flags = []
     for name, value in values.items():
-        flags += [f"--{name.replace('_', '-')}", str(value)]
+        flag = name.replace("_", "-")
+        flags += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
     return flags + ["--no-progress"]
 
 
