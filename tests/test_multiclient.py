@@ -136,6 +136,21 @@ def test_single_process_checkpoint_resumes_on_two_clients_and_another_mesh(runs:
 
 
 @pytest.mark.slow
+def test_two_clients_refit_together(tmp_path: Path) -> None:
+    """--refit on a multi-client mesh: every client takes the epoch count from the mesh's own
+    progress (not from files only client 0 writes), so all enter the second run together."""
+    run_dir = tmp_path / "run"
+    output = finish(launch(run_dir, 2, "--epochs", "2", "--patience", "0", "--refit"))
+    chosen = metrics(run_dir / "selection")
+    best_epoch = max(r["epoch"] for r in chosen if r["best"])
+    for client in (0, 1):
+        assert f"[client {client}] " in output and f"selection chose {best_epoch} epoch(s)" in output
+    assert output.count(f"selection chose {best_epoch} epoch(s)") == 2, output[-3000:]
+    final = metrics(run_dir)
+    assert [r["epoch"] for r in final] == list(range(1, best_epoch + 1)) and (run_dir / "test.json").is_file()
+
+
+@pytest.mark.slow
 def test_only_client_0_writes_run_files(runs: dict[str, Path]) -> None:
     assert len(metrics(runs["multi"])) == 2  # one line per epoch, not one per client
     saved = json.loads((runs["multi"] / "train_config.json").read_text())

@@ -96,6 +96,8 @@ class TrainResult:
     test_accuracy: float | None
     """None for the run that only chose the epochs of a refit."""
     history: list[dict]
+    best_epoch: int | None = None
+    """The epoch of the best validation score, for the run that only chose the epochs of a refit."""
 
 
 def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
@@ -110,7 +112,7 @@ def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
         return _train_run(config, mesh)
     selection = _train_run(dataclasses.replace(config, run_dir=str(Path(config.run_dir) / SELECTION_DIR),
                                                refit=False), mesh, test=False)
-    epochs = max((h["epoch"] for h in selection.history if h.get("best")), default=selection.epoch)  # the best
+    epochs = selection.best_epoch or selection.epoch
     log.info("refit: %s chose %d epoch(s) (validation accuracy %.4f); training again on all the training data",
              SELECTION_DIR, epochs, selection.validation_accuracy or float("nan"))
     final = _train_run(dataclasses.replace(config, validation_fraction=0.0, epochs=epochs, patience=0, refit=False),
@@ -153,7 +155,9 @@ def _train_run(config: TrainConfig, mesh: dtensor.Mesh, test: bool = True) -> Tr
                     _end_epoch(run, splits.validation, progress)
                 else:
                     _save(run, progress)  # stopped mid-epoch by --max-steps
-        return _test(run, splits.test, progress) if test else _selected(run, progress)
+        if not test:
+            return _selected(run, progress, len(splits.train.texts) // config.batch_size)
+        return _test(run, splits.test, progress)
     finally:
         report.close()
 
@@ -360,11 +364,14 @@ def _test(run: _Run, test: Split, progress: TrainProgress) -> TrainResult:
                        best.get("validation_accuracy") if best else None, loss, accuracy, run.report.history)
 
 
-def _selected(run: _Run, progress: TrainProgress) -> TrainResult:
-    """A run that only selects (the refit's first run): its best checkpoint, no test score."""
+def _selected(run: _Run, progress: TrainProgress, steps_per_epoch: int) -> TrainResult:
+    """A run that only selects (the refit's first run): its best checkpoint and epoch, no test
+    score. The epoch comes from the mesh's own progress variables, which every client holds alike
+    (a client's metrics history may be partial: only client 0 writes the file it resumes from)."""
     best = read_best(run.run_dir) or {}
+    best_epoch = progress.best_step // steps_per_epoch if progress.best_step > 0 else None
     return TrainResult(run.run_dir, progress.step, progress.epoch, best.get("checkpoint", ""),
-                       best.get("validation_accuracy"), None, None, run.report.history)
+                       best.get("validation_accuracy"), None, None, run.report.history, best_epoch)
 
 
 # -- signals and the mesh ------------------------------------------------------------------------
