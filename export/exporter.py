@@ -266,13 +266,15 @@ def mark_classify(saved_model_dir: Path) -> None:
 
 
 def _write_warmup(path: Path, model_name: str, samples: Sequence[str]) -> None:
-    """TF Serving replays these PredictionLog records before it marks the version available."""
+    """TF Serving replays these PredictionLog records before it marks the version available: predict
+    on the whole batch and on a single review, and one explanation."""
     from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
 
     with tf.io.TFRecordWriter(str(path)) as writer:
-        for texts in (list(samples), list(samples[:1])):  # the whole batch, and a single review
+        for signature, texts in ((DEFAULT_SIGNATURE, list(samples)), (DEFAULT_SIGNATURE, list(samples[:1])),
+                                 (EXPLAIN_SIGNATURE, list(samples[:1]))):
             request = predict_pb2.PredictRequest(
-                model_spec=model_pb2.ModelSpec(name=model_name, signature_name=DEFAULT_SIGNATURE)
+                model_spec=model_pb2.ModelSpec(name=model_name, signature_name=signature)
             )
             request.inputs["text"].CopyFrom(tf.make_tensor_proto(texts, dtype=tf.string))
             record = prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request))

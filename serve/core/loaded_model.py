@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from common.tf_serving import CLASSIFY_METHOD, EXPLAIN_SIGNATURE, WARMUP_FILE
+from common.tf_serving import CLASSIFY_METHOD, WARMUP_FILE
 from serve.core.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
@@ -132,12 +132,11 @@ class LoadedModel:
                 if name is not None:
                     self._runners[name](inputs)
                     calls += 1
-        for name in ("serving_default", EXPLAIN_SIGNATURE):
-            signature = self.signatures.get(name)
-            if signature is not None and list(signature.inputs) == ["text"]:
-                for rows in sorted({1, max_batch_size}) if name == "serving_default" else [1]:
-                    self._runners[name]({"text": np.array([b"warm up"] * rows, dtype=object)})
-                    calls += 1
+        default = self.signatures.get("serving_default")
+        if default is not None and list(default.inputs) == ["text"]:
+            for rows in sorted({1, max_batch_size}):
+                self._runners["serving_default"]({"text": np.array([b"warm up"] * rows, dtype=object)})
+                calls += 1
         return calls
 
     def _warmup_inputs(self, record: bytes) -> tuple[str | None, dict[str, np.ndarray]]:
