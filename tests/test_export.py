@@ -96,12 +96,12 @@ def loaded(exported, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(trained_run):
     """The DTensor model's own inference (restored onto a 1-device mesh) on TEXTS."""
+    from conftest import vectorize
     from tensorflow.experimental import dtensor
 
     from common.mesh import single_device_mesh
     from common.model import restore_model, to_mesh
     from common.vectorizer import load_vectorizer
-    from conftest import vectorize
 
     model = restore_model(trained_run, single_device_mesh())
     x = vectorize(load_vectorizer(trained_run), TEXTS)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import vectorize
 
 from common import mesh as meshlib
 from common.checkpoint import checkpoint_steps
@@ -23,7 +24,6 @@ from common.mesh_spec import MeshError, parse_mesh
 from common.model import DTensorMLP, restore_model, to_mesh
 from common.run_dir import BEST_FILE, CHECKPOINT_DIR, METRICS_FILE, TEST_FILE
 from common.vectorizer import load_vectorizer
-from conftest import vectorize
 from train.config import TrainConfig
 from train.state import to_host
 from train.trainer import TrainingError, train
