@@ -23,6 +23,21 @@ CPP_LOG = re.compile(r"^(WARNING: All log messages before absl|[IWEF]\d{4} [\d:.
 """TensorFlow's C++ log lines: absl's banner, glog-style lines, the CPU-feature notice."""
 
 
+def poll_ready(url: str, timeout: float, alive=lambda: True, path: str = "/readyz") -> float | None:  # noqa: ANN001
+    """Seconds until `url + path` answered 200, or None after `timeout` or once `alive()` is false.
+    Connection errors count as "not yet": a server still binding, or one whose port accepts
+    before a worker does."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout and alive():
+        try:
+            if requests.get(url + path, timeout=1).status_code == 200:
+                return time.monotonic() - start
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -75,16 +90,10 @@ class ServerProcess:
         self.wait_ready(ready_timeout, wait_for)
 
     def wait_ready(self, timeout: float, path: str = "/readyz") -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if requests.get(self.url + path, timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass  # not listening yet, or busy loading
-            time.sleep(0.1)
+        if poll_ready(self.url, timeout, lambda: self.proc.poll() is None, path) is not None:
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
         self.stop()
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
 

@@ -30,6 +30,7 @@ import pytest
 import requests
 import yaml
 from conftest import FIGURES
+from serve_process import poll_ready
 from test_multiclient import SMALL, assert_same_curve, metrics, train_flags
 
 from train.launch import free_ports
@@ -202,15 +203,10 @@ def kube_copy(source: Path, dest: Path, models: Path, ports: dict[int, int]) -> 
 
 
 def wait_ready(url: str, timeout_s: float = 180) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        try:
-            if requests.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return time.monotonic() - start
-        except requests.RequestException:  # not listening yet, or listening before a worker accepts
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"{url}/readyz not 200 after {timeout_s:.0f} s")
+    seconds = poll_ready(url, timeout_s)
+    if seconds is None:
+        pytest.fail(f"{url}/readyz not 200 after {timeout_s:.0f} s")
+    return seconds
 
 
 def stop_then_kube_down(kube_file: Path, deployment: dict, container: str) -> None:

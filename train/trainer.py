@@ -345,14 +345,19 @@ def _sum_steps(step, iterator: Iterator, num_steps: int | None) -> tuple[tf.Tens
 
 
 def _test(run: _Run, test: Split, progress: TrainProgress) -> TrainResult:
-    """The test split, once, on the best checkpoint (the latest without a validation split)."""
+    """The test split, once, on the best checkpoint (the latest without a validation split).
+
+    Which checkpoint comes from the mesh's progress variables, not from best.json or a directory
+    listing: every client of a multi-client mesh must pick the same one, and only client 0 writes
+    those files (another client may look before they are there)."""
     best = read_best(run.run_dir)
-    checkpoint = best["checkpoint"] if best else Path(run.store.latest()).name
+    step = progress.best_step if progress.best_step >= 0 else progress.step
+    checkpoint = checkpoint_name(step)
     done = read_test(run.run_dir)
     if done is not None and done["checkpoint"] == checkpoint:
         loss, accuracy = done["test_loss"], done["test_accuracy"]  # a finished run asked again
     else:
-        if best:
+        if step != progress.step:  # the model holds the latest weights; the best came earlier
             model_only = tf.train.Checkpoint(model=run.state.model)
             restore_checkpoint(model_only, checkpoint_path(run.run_dir, checkpoint), partial=True)
         loss, accuracy = evaluate(run.state, run.batches, test)
@@ -370,7 +375,8 @@ def _selected(run: _Run, progress: TrainProgress, steps_per_epoch: int) -> Train
     (a client's metrics history may be partial: only client 0 writes the file it resumes from)."""
     best = read_best(run.run_dir) or {}
     best_epoch = progress.best_step // steps_per_epoch if progress.best_step > 0 else None
-    return TrainResult(run.run_dir, progress.step, progress.epoch, best.get("checkpoint", ""),
+    checkpoint = checkpoint_name(progress.best_step if progress.best_step >= 0 else progress.step)
+    return TrainResult(run.run_dir, progress.step, progress.epoch, checkpoint,
                        best.get("validation_accuracy"), None, None, run.report.history, best_epoch)
 
 
