@@ -5,7 +5,6 @@ client library and `python -m client --explain`, against a real `python -m serve
 from __future__ import annotations
 
 import math
-import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,6 @@ pytestmark = pytest.mark.slow
 
 TEXTS = ["a great movie, wonderful acting", "awful and boring, a complete waste of time", "the plot was dull",
          "zzz qqq", "The pacing was SLOW but the ending was moving!"]
-SEPARATORS = re.compile(r'<br\s*/?>|[!"#$%&()*+,\-./:;<=>?@\[\\\]^_`{|}~]')
 
 
 # -- occlusion agrees with the attribution ---------------------------------------------------------
@@ -47,8 +45,12 @@ def bigram_model(tmp_path_factory):
 
 
 def _words(text: str) -> list[str]:
-    """The model's cleaning (common.vectorizer.standardize) and whitespace split."""
-    return SEPARATORS.sub(" ", text.lower().replace("'", "")).split()
+    """The text's words as the model cleans and splits them."""
+    import tensorflow as tf
+
+    from common.vectorizer import tokens
+
+    return [w.decode() for w in tokens(tf.constant([text]), 1).flat_values.numpy()]
 
 
 def _delete(words: list[str], ngram: str) -> str:

@@ -234,14 +234,6 @@ class ServingCore:
         validate_inputs(signature, inputs, self.config, row_label)
         return await self._run(model, signature_name, inputs, timeout_s)
 
-    async def explain(
-        self, model: LoadedModel, inputs: Mapping[str, np.ndarray], *, timeout_s: float | None = None,
-        row_label: RowLabel = _default_label,
-    ) -> dict[str, np.ndarray]:
-        """Run the model's explain signature (`export.exporter.SentimentModel.explain`)."""
-        explain_signature(model)
-        return await self.predict(model, EXPLAIN_SIGNATURE, inputs, timeout_s=timeout_s, row_label=row_label)
-
     async def classify(
         self, model: LoadedModel, signature_name: str, rows: Sequence[Mapping[str, Any]],
         context: Mapping[str, Any] | None = None, *, timeout_s: float | None = None,
@@ -320,8 +312,9 @@ def _classify_example(feature: Any, where: str, config: ServeConfig) -> bytes:
 
 
 def explain_signature(model: LoadedModel, requested: str = "") -> Signature:
-    """The signature an explanation runs; InvalidArgument when a request names another one or the
-    version was exported before explanations existed."""
+    """The signature an explanation runs (`export.exporter.SentimentModel.explain`, called through
+    `ServingCore.predict`); InvalidArgument when a request names another one or the version was
+    exported before explanations existed."""
     if requested not in ("", EXPLAIN_SIGNATURE):
         raise InvalidArgument(f"explanations come from the {EXPLAIN_SIGNATURE!r} signature, not {requested!r}")
     if EXPLAIN_SIGNATURE not in model.signatures:

@@ -35,25 +35,22 @@ class RestApi:
         with core.receiving(path.name):
             model = core.model(path.name, path.version, path.label)
             body = protocol.parse_json(await request.body(), max_rows)
-            if path.verb == "predict":
-                signature_name = protocol.signature_name(body)
+            if path.verb in ("predict", "explain"):
+                if path.verb == "predict":
+                    signature_name, answer = protocol.signature_name(body), protocol.format_predict
+                else:
+                    signature_name = explain_signature(model, protocol.signature_name(body, default="")).name
+                    answer = protocol.format_explain  # each row's n-grams cut to its own
                 inputs, row_format = protocol.parse_predict(body, model.signature(signature_name), max_rows)
-            elif path.verb == "explain":
-                signature = explain_signature(model, protocol.signature_name(body, default=""))
-                inputs, row_format = protocol.parse_predict(body, signature, max_rows)
             elif path.verb == "classify":
                 signature_name, examples, context = protocol.parse_classify(body, max_rows)
             else:
                 model.signature_for_method(REGRESS_METHOD, protocol.signature_name(body, default=""))
                 raise InvalidArgument("regression is not supported by this server")
-        if path.verb == "predict":
+        if path.verb in ("predict", "explain"):
             row_label = protocol.instances_label if row_format else protocol.inputs_label
             outputs = await core.predict(model, signature_name, inputs, row_label=row_label)
-            return json_response(protocol.format_predict(outputs, row_format))
-        if path.verb == "explain":
-            row_label = protocol.instances_label if row_format else protocol.inputs_label
-            outputs = await core.explain(model, inputs, row_label=row_label)
-            return json_response(protocol.format_explain(outputs, row_format))
+            return json_response(answer(outputs, row_format))
         _, outputs = await core.classify(model, signature_name, examples, context)
         return json_response(protocol.format_classify(outputs["classes"], outputs["scores"]))
 
