@@ -5,6 +5,7 @@ client library and `python -m client --explain`, against a real `python -m serve
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -166,6 +167,18 @@ def test_concurrent_explanations_do_not_depend_on_each_other(server):
 def test_rest_explain_errors_say_what_to_change(server, body, path, status, message):
     r = _explain(server, body, *([path] if path else []))
     assert r.status_code == status and message in r.json()["error"], r.text
+
+
+def test_explain_requests_are_counted_in_the_metrics(server):
+    def count(route: str, code: str) -> float:
+        text = requests.get(server.url + "/monitoring/prometheus/metrics", timeout=10).text
+        found = re.search(rf'^serve_requests_total{{code="{code}",route="{route}"}} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    ok, bad = count("explain", "200"), count("explain", "400")
+    assert _explain(server, {"instances": TEXTS[:2]}).status_code == 200
+    assert _explain(server, {"instances": [""]}).status_code == 400
+    assert (count("explain", "200"), count("explain", "400")) == (ok + 1, bad + 1)
 
 
 def test_grpc_predict_with_the_explain_signature(server):
