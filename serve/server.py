@@ -27,8 +27,7 @@ def serve(config: ServeConfig) -> int:
     try:
         config_sources(config)  # a broken --model-config-file stops here, before any port is taken
         sock = bind_socket(config.host, config.port)
-        if config.grpc_port:
-            bind_socket(config.host, config.grpc_port, "--grpc-port").close()  # in use by another server?
+        grpc_sock = bind_socket(config.host, config.grpc_port, "--grpc-port") if config.grpc_port else None
     except (StartupError, ModelConfigError) as exc:
         print(f"serve: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
@@ -37,10 +36,10 @@ def serve(config: ServeConfig) -> int:
     if config.workers == 1:
         from serve.worker import run_worker
 
-        return run_worker(config, sock)
+        return run_worker(config, sock, grpc_sock=grpc_sock)
     from serve.supervisor import supervise
 
-    return supervise(config, sock)
+    return supervise(config, sock, grpc_sock)
 
 
 __all__ = ["serve", "StartupError"]

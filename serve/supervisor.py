@@ -2,8 +2,8 @@
 
 The supervisor binds the REST socket once and every worker accepts from it (pre-fork, as
 gunicorn does), each taking a new connection only while no sibling holds fewer open ones (the
-shared `loads` array, `serve.sockets.AcceptGate`); gRPC workers share their port with
-SO_REUSEPORT. Each worker is a full server: its own event loop, model copy, batcher, reload
+shared `loads` array, `serve.sockets.AcceptGate`); the gRPC socket likewise, with its own
+`loads`. Each worker is a full server: its own event loop, model copy, batcher, reload
 poller and metrics. The supervisor imports neither TensorFlow nor the HTTP layer: it forwards SIGTERM /
 SIGINT to the workers, restarts a worker that dies while serving, and exits 0 only if every worker
 drained cleanly.
@@ -48,7 +48,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: int, peer_dir: str,
-                 loads) -> None:  # noqa: ANN001 - a multiprocessing.Array of int
+                 loads, grpc_sock: socket.socket | None, grpc_loads) -> None:  # noqa: ANN001 - multiprocessing.Arrays
     import sys
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the supervisor decides
@@ -58,21 +58,42 @@ def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: i
 
     from serve.worker import run_worker
 
-    sys.exit(run_worker(config, sock, index, stop_requested=early, peer_dir=peer_dir, loads=loads))
+    sys.exit(run_worker(config, sock, index, stop_requested=early, peer_dir=peer_dir, loads=loads,
+                        grpc_sock=grpc_sock, grpc_loads=grpc_loads))
 
 
-def supervise(config: ServeConfig, sock: socket.socket) -> int:
-    """Run `config.workers` workers accepting from `sock` until SIGTERM/SIGINT; the exit code."""
+def _stop_workers(config: ServeConfig, workers: dict[int, multiprocessing.Process]) -> list[int | None]:
+    """SIGTERM to each worker (each drains on its own), a kill for one that outlives its drain;
+    their exit codes."""
+    for process in workers.values():
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + config.drain_timeout_s + 15
+    codes = []
+    for index, process in workers.items():
+        process.join(max(0.1, deadline - time.monotonic()))
+        if process.is_alive():
+            log.error("worker %d did not stop in time: killing it", index)
+            process.kill()
+            process.join()
+        codes.append(process.exitcode)
+    return codes
+
+
+def supervise(config: ServeConfig, sock: socket.socket, grpc_sock: socket.socket | None = None) -> int:
+    """Run `config.workers` workers accepting from `sock` (and `grpc_sock`) until SIGTERM/SIGINT;
+    the exit code."""
     peer_dir = tempfile.mkdtemp(prefix="serve-workers-")  # each worker's metrics socket (serve.core.metrics)
     try:
-        return _supervise(config, sock, peer_dir)
+        return _supervise(config, sock, peer_dir, grpc_sock)
     finally:
         shutil.rmtree(peer_dir, ignore_errors=True)
 
 
-def _supervise(config: ServeConfig, sock: socket.socket, peer_dir: str) -> int:
+def _supervise(config: ServeConfig, sock: socket.socket, peer_dir: str, grpc_sock: socket.socket | None) -> int:
     context = multiprocessing.get_context("spawn")
     loads = context.Array("i", [-1] * config.workers, lock=False)  # open connections per worker; -1: not accepting
+    grpc_loads = context.Array("i", [-1] * config.workers, lock=False) if grpc_sock is not None else None
     signals: list[int] = []
 
     def on_signal(signum: int, _frame) -> None:  # noqa: ANN001
@@ -86,7 +107,7 @@ def _supervise(config: ServeConfig, sock: socket.socket, peer_dir: str) -> int:
 
     def start(index: int) -> tuple[multiprocessing.Process, float]:
         process = context.Process(target=_worker_main, name=f"serve-worker-{index}",
-                                  args=(config, sock, index, os.getpid(), peer_dir, loads))
+                                  args=(config, sock, index, os.getpid(), peer_dir, loads, grpc_sock, grpc_loads))
         process.start()
         return process, time.monotonic()
 
@@ -101,6 +122,8 @@ def _supervise(config: ServeConfig, sock: socket.socket, peer_dir: str) -> int:
             if process.is_alive() or signals:
                 continue
             loads[index] = -1  # its connections are gone: siblings stop deferring to it
+            if grpc_loads is not None:
+                grpc_loads[index] = -1
             quick_deaths = quick_deaths + 1 if time.monotonic() - started < RESTART_WINDOW_S else 0
             if quick_deaths >= MAX_QUICK_DEATHS:
                 log.error("worker %d exited with %s, %d workers died right after starting: giving up",
@@ -110,18 +133,9 @@ def _supervise(config: ServeConfig, sock: socket.socket, peer_dir: str) -> int:
             log.error("worker %d exited with %s while serving: starting a new one", index, process.exitcode)
             workers[index] = start(index)
     sock.close()
-    for process, _ in workers.values():
-        if process.is_alive():
-            process.terminate()  # SIGTERM: each worker drains on its own
-    deadline = time.monotonic() + config.drain_timeout_s + 15
-    codes = []
-    for index, (process, _) in workers.items():
-        process.join(max(0.1, deadline - time.monotonic()))
-        if process.is_alive():
-            log.error("worker %d did not stop in time: killing it", index)
-            process.kill()
-            process.join()
-        codes.append(process.exitcode)
+    if grpc_sock is not None:
+        grpc_sock.close()
+    codes = _stop_workers(config, {index: process for index, (process, _) in workers.items()})
     if failed or any(code != 0 for code in codes):
         log.error("workers exited with %s", codes)
         return 1

@@ -1,5 +1,5 @@
 """Run the server: the REST port (this project's HTTP/1.1 protocol on uvloop + httptools) and gRPC
-on grpc.aio, one event loop and one core per process; `--workers N` runs N such processes on the
+(its HTTP/2 protocol, `serve.grpc.http2`), one event loop and one core per process; `--workers N` runs N such processes on the
 same ports.
 
 Shutdown on SIGTERM or SIGINT: readiness turns false and every answer carries `Connection: close`;
@@ -21,7 +21,7 @@ import resource
 import signal
 import socket
 
-from serve.config import EXIT_ABANDONED, EXIT_OK, EXIT_STARTUP, ServeConfig, configure_logging, usable_cpus
+from serve.config import EXIT_ABANDONED, EXIT_OK, ServeConfig, configure_logging, usable_cpus
 from serve.core.dataplane import ServingCore
 from serve.core.metrics import PeerMetrics
 from serve.core.model_config_file import ModelConfigError, config_sources, file_fingerprint, read_model_config
@@ -48,10 +48,13 @@ class _Worker:
     """One serving process: the core, the REST server, gRPC, and their drain. Made on the serving loop."""
 
     def __init__(self, config: ServeConfig, sock: socket.socket, index: int | None,
-                 peer_dir: str | None = None, loads=None) -> None:  # noqa: ANN001
-        """`sock`: the listening socket; for one of several workers, `peer_dir` is where they exchange
-        metrics and `loads` their open connections (see `serve.sockets.AcceptGate`)."""
+                 peer_dir: str | None = None, loads=None, grpc_sock: socket.socket | None = None,
+                 grpc_loads=None) -> None:  # noqa: ANN001
+        """`sock`, `grpc_sock`: the listening sockets; for one of several workers, `peer_dir` is where
+        they exchange metrics and `loads`, `grpc_loads` their open connections on each port (see
+        `serve.sockets.AcceptGate`)."""
         self.config, self.sock, self.index, self.loads = config, sock, index, loads
+        self.grpc_sock, self.grpc_loads = grpc_sock, grpc_loads
         self.core = ServingCore(config, config_sources(config))
         if peer_dir is not None and index is not None:
             self.core.peers = PeerMetrics(self.core.metrics, peer_dir, index, config.workers)
@@ -118,10 +121,11 @@ class _Worker:
             serving = self._serve_rest()
         else:
             self._freezing = asyncio.ensure_future(self._freeze_when_ready())  # kept: a task nobody holds may vanish
-        if self.config.grpc_port and not self.draining:
-            from serve.grpc.servicer import GrpcServer
+        if self.grpc_sock is not None and not self.draining:
+            from serve.grpc.server import GrpcServer
 
-            self.grpc_server = await GrpcServer(self.config, self.core, reuse_port=self.index is not None).start()
+            self.grpc_server = await GrpcServer(self.config, self.core, self.grpc_sock, loads=self.grpc_loads,
+                                                index=self.index or 0).start()
         return serving
 
     async def _wait_ready(self, timeout_s: float) -> None:
@@ -176,10 +180,11 @@ def _freeze_heap() -> None:
 async def serve_async(
     config: ServeConfig, sock: socket.socket, *, worker: int | None = None,
     stop_requested: list[int] | None = None, peer_dir: str | None = None, loads=None,  # noqa: ANN001
+    grpc_sock: socket.socket | None = None, grpc_loads=None,  # noqa: ANN001
 ) -> int:
     """Serve on `sock` (and config.grpc_port) until SIGTERM (or SIGINT, unless this is one of
     several workers: their supervisor turns Ctrl+C into one SIGTERM each); returns the exit code."""
-    process = _Worker(config, sock, worker, peer_dir, loads)
+    process = _Worker(config, sock, worker, peer_dir, loads, grpc_sock, grpc_loads)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM,) if worker is not None else (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, process.on_signal, sig)
@@ -237,18 +242,15 @@ async def watch_model_config(config: ServeConfig, core: ServingCore) -> None:
 def run_worker(
     config: ServeConfig, sock: socket.socket, worker: int | None = None,
     stop_requested: list[int] | None = None, peer_dir: str | None = None, loads=None,  # noqa: ANN001
+    grpc_sock: socket.socket | None = None, grpc_loads=None,  # noqa: ANN001
 ) -> int:
     """One serving process on an already bound socket (also the body of each --workers process)."""
     import uvloop
 
     configure_logging(config, worker)
     raise_open_file_limit()
-    try:
-        code = uvloop.run(serve_async(config, sock, worker=worker, stop_requested=stop_requested,
-                                       peer_dir=peer_dir, loads=loads))
-    except OSError as exc:  # the gRPC port
-        log.error("%s", exc)
-        return EXIT_STARTUP
+    code = uvloop.run(serve_async(config, sock, worker=worker, stop_requested=stop_requested,
+                                   peer_dir=peer_dir, loads=loads, grpc_sock=grpc_sock, grpc_loads=grpc_loads))
     if code == EXIT_ABANDONED:
         # A model call may still be running in its thread; the interpreter would wait for it.
         logging.shutdown()

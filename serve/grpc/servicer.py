@@ -1,19 +1,18 @@
-"""The gRPC edge: TF Serving's `PredictionService` and `ModelService`, and the Open Inference
-Protocol's `inference.GRPCInferenceService` (`serve.grpc.open_inference`), on grpc.aio, sharing the core.
+"""The gRPC edge's methods: TF Serving's `PredictionService` and `ModelService`, the Open
+Inference Protocol's `inference.GRPCInferenceService` (`serve.grpc.open_inference`) and the
+standard `grpc.health.v1.Health`, sharing the core with the REST edge.
 
 Clients use the stubs of `tensorflow-serving-api` unchanged (`PredictionServiceStub.Predict`,
-`Classify`, `GetModelMetadata`; `ModelServiceStub.GetModelStatus`, `HandleReloadConfigRequest`). Handlers run on the same
-event loop, core, batcher and model versions as the REST edge; they decode protos into plain
-values, the core validates, and neutral errors become the `grpc.StatusCode` of the same name.
+`Classify`, `GetModelMetadata`; `ModelServiceStub.GetModelStatus`, `HandleReloadConfigRequest`).
+Handlers run on the same event loop, core, batcher and model versions as the REST edge; they
+decode protos into plain values, the core validates, and neutral errors become the gRPC status
+of the same name. The transport (`serve.grpc.http2`) calls each method with the request's bytes
+and a `Call` (its deadline) and sends the bytes it returns, or the status of the `RpcError` it raises.
 
-Requests arrive as raw bytes and are parsed here, so an undecodable message is an
-INVALID_ARGUMENT with a one-line log instead of grpc's traceback; tensors are decoded without
-ever expanding a declared shape (`serve.grpc.tensors.from_tensor_proto`); methods this server does
-not implement (and unknown ones) answer UNIMPLEMENTED with a one-line log.
-
-    server = await GrpcServer(config, core).start()   # listens on config.grpc_port
-    ...
-    await server.stop(grace_s)                        # new RPCs refused, running ones finish
+Requests are parsed here, so an undecodable message is an INVALID_ARGUMENT with a one-line log;
+tensors are decoded without ever expanding a declared shape (`serve.grpc.tensors.from_tensor_proto`);
+methods this server does not implement (and unknown ones) answer UNIMPLEMENTED with a one-line log
+(the transport does that for every path missing from `GrpcApi.methods`).
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-import grpc
 from google.protobuf.message import DecodeError
 from tensorflow_serving.apis import (
     classification_pb2,
@@ -44,10 +42,11 @@ from serve.core.dataplane import (
     check_declared_shape,
     check_rows,
 )
-from serve.core.errors import InvalidArgument, ServingError
+from serve.core.errors import Code, InvalidArgument, ServingError
 from serve.core.loaded_model import LoadedModel
 from serve.core.model_config_file import ModelConfigError, sources_from_config
 from serve.grpc import open_inference
+from serve.grpc.http2 import Call, Method, RpcError
 from serve.grpc.tensors import from_tensor_proto, to_tensor_proto
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,7 @@ _ERROR_CODES = get_model_status_pb2.ModelVersionStatus.DESCRIPTOR.fields_by_name
     .fields_by_name["error_code"].enum_type.values_by_name
 _STATES = get_model_status_pb2.ModelVersionStatus.State
 
-Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Handler = Callable[[Any, Call], Awaitable[Any]]
 
 
 class GrpcApi:
@@ -82,7 +81,7 @@ class GrpcApi:
         return self.core.model(spec.name, version, spec.version_label or None)
 
     @staticmethod
-    def _timeout(context: grpc.aio.ServicerContext) -> float | None:
+    def _timeout(context: Call) -> float | None:
         return context.time_remaining()
 
     # -- PredictionService -------------------------------------------------------------------------
@@ -177,8 +176,9 @@ class GrpcApi:
 
     # -- plumbing ----------------------------------------------------------------------------------
 
-    def handlers(self) -> list[grpc.GenericRpcHandler]:
-        methods = {
+    def methods(self) -> dict[str, Method]:
+        """Every method of the three services by its HTTP/2 path, `/package.Service/Method`."""
+        tables = {
             PREDICTION_SERVICE: {
                 "Predict": ("predict", predict_pb2.PredictRequest, self.predict),
                 "Classify": ("classify", classification_pb2.ClassificationRequest, self.classify),
@@ -193,25 +193,20 @@ class GrpcApi:
             },
             open_inference.SERVICE: self.open_inference.methods(),
         }
-        out = [
-            grpc.method_handlers_generic_handler(service, {
-                method: grpc.unary_unary_rpc_method_handler(self._unary(route, parse, handler))
-                for method, (route, parse, handler) in table.items()
-            })
-            for service, table in methods.items()
-        ]
-        out.append(_Unimplemented())  # last: anything not served above
-        return out
+        return {f"/{service}/{method}": Method(self._unary(route, parse, handler))
+                for service, table in tables.items() for method, (route, parse, handler) in table.items()}
 
-    def _unary(self, route: str, message_class, handler: Handler):
+    def _unary(self, route: str, message_class, handler: Handler):  # noqa: ANN001, ANN202
+        """The method as the transport calls it: bytes in, bytes out, a ServingError (or a bug)
+        turned into an RpcError of the same code; counted in the metrics either way."""
         metrics = self.core.metrics
         label = f"grpc_{route}"
 
-        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def call(raw: bytes, context: Call) -> bytes:
             start = time.perf_counter()
             self.in_flight += 1
             metrics.in_flight += 1
-            code, message = grpc.StatusCode.OK, ""
+            code, message = Code.OK, ""
             try:
                 try:
                     request = message_class.FromString(raw)
@@ -221,31 +216,21 @@ class GrpcApi:
                 response = await handler(request, context)
                 return response.SerializeToString()
             except ServingError as exc:
-                code, message = grpc.StatusCode[exc.code.name], exc.message
+                code, message = exc.code, exc.message
+            except asyncio.CancelledError:
+                code = Code.CANCELLED  # the client went away (or the drain ran out): nothing to answer
+                raise
             except Exception:  # noqa: BLE001 - a bug: log it, never send a traceback
                 log.exception("unhandled error in gRPC %s", route)
-                code, message = grpc.StatusCode.INTERNAL, "internal error"
+                code, message = Code.INTERNAL, "internal error"
             finally:
                 self.in_flight -= 1
                 metrics.in_flight -= 1
                 metrics.observe_request(label, code.name, time.perf_counter() - start)
                 memory.after_request(len(raw))
-            await context.abort(code, message)
+            raise RpcError(code, message)
 
         return call
-
-
-class _Unimplemented(grpc.GenericRpcHandler):
-    """UNIMPLEMENTED, with one log line, for every method the handlers before it do not serve."""
-
-    def service(self, handler_call_details):
-        method = handler_call_details.method
-
-        async def unimplemented(_raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            log.info("gRPC %s: not implemented by this server", method)
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"method {method} is not implemented by this server")
-
-        return grpc.unary_unary_rpc_method_handler(unimplemented)
 
 
 def _fill_spec(out, name: str, model: LoadedModel, signature_name: str) -> None:
@@ -309,20 +294,16 @@ class Health:
             return self.pb.HealthCheckRequest.FromString(raw)
         except DecodeError:
             log.info("gRPC health: undecodable request (%d bytes)", len(raw))
-            return None
+            raise RpcError(Code.INVALID_ARGUMENT, "request is not a valid grpc.health.v1.HealthCheckRequest") from None
 
-    async def check(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def check(self, raw: bytes, _context: Call) -> bytes:
         request = self._request(raw)
-        if request is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid grpc.health.v1.HealthCheckRequest")
         if request.service not in HEALTH_SERVICES:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            raise RpcError(Code.NOT_FOUND, f"unknown service {request.service!r}")
         return self.pb.HealthCheckResponse(status=self._status(request.service)).SerializeToString()
 
-    async def watch(self, raw: bytes, context: grpc.aio.ServicerContext):  # noqa: ANN201 - an async generator
+    async def watch(self, raw: bytes, _context: Call) -> AsyncIterator[bytes]:
         request = self._request(raw)
-        if request is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid grpc.health.v1.HealthCheckRequest")
         last = None
         self.watching += 1
         try:
@@ -339,54 +320,6 @@ class Health:
         finally:
             self.watching -= 1
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(HEALTH_SERVICE, {
-            "Check": grpc.unary_unary_rpc_method_handler(self.check),
-            "Watch": grpc.unary_stream_rpc_method_handler(self.watch),
-        })
-
-
-class GrpcServer:
-    """A grpc.aio server on the serving loop: TF Serving's two services, V2's, and the standard
-    `grpc.health.v1.Health` (SERVING once every model has a live version; Kubernetes gRPC probes)."""
-
-    def __init__(self, config: ServeConfig, core: ServingCore, *, reuse_port: bool = False) -> None:
-        self.config = config
-        self.core = core
-        self.api = GrpcApi(config, core)
-        self.health = Health(core)
-        self._server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", config.max_body_bytes),
-                ("grpc.max_send_message_length", -1),
-                # One server per port, unless this is one of several --workers sharing it.
-                ("grpc.so_reuseport", 1 if reuse_port else 0),
-            ],
-        )
-        self._server.add_generic_rpc_handlers([self.health.handler(), *self.api.handlers()])  # ends with a catch-all
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        address = f"{host}:{config.grpc_port}"
-        try:
-            self.port = self._server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise OSError(f"--grpc-port {config.grpc_port}: cannot listen on {address}: {exc}") from None
-        if not self.port:
-            raise OSError(f"--grpc-port {config.grpc_port}: cannot listen on {address} (in use?)")
-
-    async def start(self) -> "GrpcServer":
-        await self._server.start()
-        log.info("gRPC on %s:%d (PredictionService, ModelService, GRPCInferenceService, Health)", self.config.host, self.port)
-        return self
-
-    async def stop(self, grace_s: float) -> int:
-        """Refuse new RPCs now, let running ones finish for up to `grace_s`; returns how many had
-        to be abandoned."""
-        loop = asyncio.get_running_loop()
-        await self.health.close(min(grace_s, HEALTH_FAREWELL_S))
-        stopping = asyncio.ensure_future(self._server.stop(grace_s))
-        deadline = loop.time() + grace_s
-        while self.api.in_flight and loop.time() < deadline:
-            await asyncio.sleep(0.02)
-        abandoned = self.api.in_flight
-        await stopping
-        return abandoned
+    def methods(self) -> dict[str, Method]:
+        return {f"/{HEALTH_SERVICE}/Check": Method(self.check),
+                f"/{HEALTH_SERVICE}/Watch": Method(self.watch, streaming=True)}
