@@ -380,10 +380,28 @@ def _per_worker(metrics: str, series: str) -> dict[str, float]:
     return found
 
 
+def _grpc_calls_on_separate_connections(target: str, connections: int, calls: int) -> None:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = MODEL_NAME
+    request.inputs["text"].string_val.append(b"great")
+    request.inputs["text"].dtype = 7
+    request.inputs["text"].tensor_shape.dim.add().size = 1
+    # grpcio shares one connection between channels to the same target unless told otherwise.
+    channels = [grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(connections)]
+    stubs = [prediction_service_pb2_grpc.PredictionServiceStub(channel) for channel in channels]
+    for _ in range(calls):
+        for stub in stubs:
+            assert stub.Predict(request, timeout=30).outputs["label"].string_val
+    for channel in channels:
+        channel.close()
+
+
 def test_workers_share_connections_and_one_scrape_shows_them_all(model_base):
-    """32 keep-alive connections opened at once: each of 2 workers serves 30-70% of the requests
-    (each listens on its own SO_REUSEPORT socket), counted by any worker's metrics, which cover all."""
-    srv = ServerProcess(model_base, "--poll-interval", "0", "--workers", "2")
+    """32 keep-alive connections opened at once: each of 2 workers serves 30-70% of the requests,
+    counted by any worker's metrics, which cover all; 8 gRPC connections split 4/4 (both ports
+    go through the same AcceptGate logic)."""
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--workers", "2", grpc=True)
     try:
         end = time.monotonic() + 60
         while srv.log().count("version 1 live") < 2 and time.monotonic() < end:
@@ -393,9 +411,14 @@ def test_workers_share_connections_and_one_scrape_shows_them_all(model_base):
             time.sleep(0.05)
         load.stop()
         assert load.lost == [] and set(load.statuses) == {200}, (load.statuses, load.lost[:3])
+        _grpc_calls_on_separate_connections(srv.grpc_target, connections=8, calls=5)
         scrapes = [requests.get(srv.url + "/monitoring/prometheus/metrics", timeout=10).text for _ in range(6)]
     finally:
         assert srv.stop() == 0, srv.log()
+    grpc_calls = {}
+    for labels, value in re.findall(r'^serve_requests_total\{([^}]*route="grpc_predict"[^}]*)\} (\S+)$', scrapes[-1], re.M):
+        grpc_calls[re.search(r'worker="(\d+)"', labels).group(1)] = float(value)
+    assert grpc_calls == {"0": 20.0, "1": 20.0}, grpc_calls
     for text in scrapes:  # whichever worker answered the scrape
         served = _per_worker(text, "serve_requests_total")
         assert set(served) == {"0", "1"}, served
