@@ -2,7 +2,7 @@
 
 `ServingCore` (models + validation + batcher + metrics) is shared by every protocol edge;
 `create_app(config, core)` builds the REST port's app, `serve(config)` runs everything on uvloop
-and grpc.aio. Importing this package imports neither TensorFlow nor the HTTP layer.
+(REST on its HTTP/1.1 protocol, gRPC on its HTTP/2 one). Importing this package imports neither TensorFlow nor the HTTP layer.
 """
 
 import logging

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -162,19 +162,47 @@ class LoadedModel:
 
 class _SignatureRunner:
     """Calls one concrete function with numpy inputs, returns numpy outputs. `mergeable`: whether
-    the batcher may merge requests into one call (see `_mergeable`)."""
+    the batcher may merge requests into one call (see `_mergeable`).
 
-    __slots__ = ("_fn", "mergeable")
+    The call skips what `ConcreteFunction.__call__` does before its own `_call_flat`: binding
+    keyword arguments to the function's type and canonicalizing them, ~100-150 us of Python per
+    call measured at batch 1 (a quarter of the whole call for the default model), for inputs the
+    core has already checked against the signature (names, dtypes, shapes). The flat order is
+    read from the function once and checked against its placeholders; a function whose order
+    cannot be confirmed is called the ordinary way."""
+
+    __slots__ = ("_fn", "mergeable", "_flat")
 
     def __init__(self, fn, mergeable: bool = True) -> None:  # noqa: ANN001 - a ConcreteFunction
         self._fn = fn
         self.mergeable = mergeable
+        self._flat = _flat_inputs(fn)
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         import tensorflow as tf
 
-        outputs = self._fn(**{k: tf.constant(v) for k, v in inputs.items()})
+        if self._flat is None:
+            outputs = self._fn(**{k: tf.constant(v) for k, v in inputs.items()})
+        else:
+            args = [tf.constant(inputs[name], dtype=dtype) for name, dtype in self._flat]
+            outputs = self._fn._call_flat(args, captured_inputs=self._fn.captured_inputs)
         return {k: v.numpy() for k, v in outputs.items()}
+
+
+def _flat_inputs(fn) -> list[tuple[str, Any]] | None:  # noqa: ANN001 - a ConcreteFunction
+    """[(input name, dtype)] in the order `_call_flat` takes them, or None when that order cannot
+    be confirmed from the function's placeholders (then it is called with keywords)."""
+    try:
+        args, kwargs = fn.structured_input_signature
+        if args or not hasattr(fn, "_call_flat"):
+            return None
+        order = [(name, kwargs[name].dtype) for name in sorted(kwargs)]  # nest.flatten's order of a dict
+        placeholders = [t.name.split(":")[0] for t in fn.inputs[:len(order)]]
+        if placeholders != [name for name, _ in order] or len(fn.inputs) != len(order) + len(fn.captured_inputs):
+            return None
+        return order
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _mergeable(signature: Signature) -> bool:
