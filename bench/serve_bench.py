@@ -14,7 +14,8 @@ Measured side by side, each load level in --rounds slices that alternate which s
   - on `serve` (defaults) also, at c=1, 32 and 256: KServe V2 REST `infer` (wrk), and over gRPC TF
     Serving's `Predict` and V2's `ModelInfer` (raw tensors, as tritonclient sends them) with `h2load`
     (Debian's `nghttp2-client`; skipped without it), each gRPC answer checked once with `nghttp` to
-    carry grpc-status 0 (h2load counts HTTP statuses only).
+    carry grpc-status 0 (h2load counts HTTP statuses only); the protocols alternate in --rounds
+    slices per level; and c=1 with h2load driving both REST (HTTP/1.1) and gRPC, the same tool.
 Load: `wrk` (Debian package `wrk`; a Python load generator saturates before these servers do), one
 thread, keep-alive connections, one real ~170-word review per request (from ../shared/data/imdb when
 present, else a built-in review of the same length), plus a row of --batch-rows reviews per request.
@@ -26,6 +27,7 @@ on the bundled corpus (1 epoch) and exported first.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import os
@@ -303,13 +305,13 @@ def check_grpc(port: int, method: str, frame: Path) -> None:
         raise SystemExit(f"gRPC {method} did not answer grpc-status 0:\n{out[-2000:]}")
 
 
-def run_h2load(port: int, method: str, frame: Path, connections: int, seconds: float) -> dict:
-    """A gRPC method under h2load: one stream at a time per connection, like wrk's requests."""
+def run_h2load(url: str, frame: Path, connections: int, seconds: float, headers: list[str] = GRPC_HEADERS) -> dict:
+    """A method under h2load: one stream at a time per connection, like wrk's requests (`--h1`
+    in `headers` for HTTP/1.1)."""
     import re
 
-    out = subprocess.run(["h2load", f"-c{connections}", "-m1", f"-D{max(1, round(seconds))}", *GRPC_HEADERS,
-                          "-d", str(frame), f"http://127.0.0.1:{port}{method}"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["h2load", f"-c{connections}", "-m1", f"-D{max(1, round(seconds))}", *headers,
+                          "-d", str(frame), url], capture_output=True, text=True, check=True).stdout
     done = re.search(r"finished in ([\d.]+)s, ([\d.]+) req/s", out)
     counts = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed", out)
     mean = re.search(r"time for request:\s+\S+\s+\S+\s+(\S+)", out)
@@ -317,27 +319,54 @@ def run_h2load(port: int, method: str, frame: Path, connections: int, seconds: f
             "mean": mean.group(1) if mean else "?"}
 
 
-def protocol_rows(port: int, name: str, work: Path, script: Path, text: str, seconds: float) -> list[str]:
-    """REST :predict, V2 infer, gRPC Predict and gRPC ModelInfer on one server, level by level."""
+def protocol_rows(port: int, name: str, work: Path, script: Path, text: str, seconds: float,
+                  rounds: int = 2) -> list[str]:
+    """REST :predict, V2 infer, gRPC Predict and gRPC ModelInfer on one server, level by level,
+    each level in `rounds` slices with the protocols' order rotated (the machine's noise is shared)."""
     v2 = work / "v2.json"
     v2.write_text(json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [text]}]}))
     rest = work / "one.json"
     grpc_port = port + 1
-    h2load = shutil.which("h2load") is not None
-    frames = grpc_frames(work, text, name) if h2load else {}
+    frames = grpc_frames(work, text, name) if shutil.which("h2load") else {}
     for method, frame in frames.items():
         check_grpc(grpc_port, method, frame)
+    runs = {
+        "rest": lambda c, t: merge([run_wrk(port, f"/v1/models/{name}:predict", rest, script, c, t)], 1),
+        "v2": lambda c, t: merge([run_wrk(port, f"/v2/models/{name}/infer", v2, script, c, t)], 1),
+        **{method: functools.partial(run_h2load, f"http://127.0.0.1:{grpc_port}{method}", frame)
+           for method, frame in frames.items()},
+    }
     lines = []
     for c in (1, 32, 256):
-        r = merge([run_wrk(port, f"/v1/models/{name}:predict", rest, script, c, seconds)], 1)
-        v = merge([run_wrk(port, f"/v2/models/{name}/infer", v2, script, c, seconds)], 1)
-        line = f"c={c:<8} | {r['rps']:>8,.0f} | {v['rps']:>8,.0f} ({v['rps'] / r['rps']:.2f}x)"
-        for method, frame in frames.items():
-            g = run_h2load(grpc_port, method, frame, c, seconds)
-            line += f" | {g['rps']:>8,.0f} ({g['rps'] / r['rps']:.2f}x, mean {g['mean']}, failed {g['failed']})"
+        rates: dict[str, list[float]] = {k: [] for k in runs}
+        means: dict[str, str] = {}
+        for r in range(rounds):
+            order = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
+            for key in order:
+                result = runs[key](c, seconds / rounds)
+                rates[key].append(result["rps"])
+                means[key] = result.get("mean", "")
+        rate = {k: sum(v) / len(v) for k, v in rates.items()}
+        line = f"c={c:<8} | {rate['rest']:>8,.0f} | {rate['v2']:>8,.0f} ({rate['v2'] / rate['rest']:.2f}x)"
+        for method in frames:
+            line += f" | {rate[method]:>8,.0f} ({rate[method] / rate['rest']:.2f}x, mean {means[method]})"
         lines.append(line)
         print(f"  protocols {line}", file=sys.stderr, flush=True)
+    if PREDICT in frames:
+        lines.append(same_tool_c1(port, name, rest, frames[PREDICT], seconds))
     return lines
+
+
+def same_tool_c1(port: int, name: str, rest: Path, frame: Path, seconds: float) -> str:
+    """c=1 with h2load on both sides (REST as HTTP/1.1), so that the two load generators' own
+    latencies do not decide the comparison."""
+    rest_url, grpc_url = f"http://127.0.0.1:{port}/v1/models/{name}:predict", f"http://127.0.0.1:{port + 1}{PREDICT}"
+    rest_rates, grpc_rates = [], []
+    for _ in range(2):
+        rest_rates.append(run_h2load(rest_url, rest, 1, seconds / 2, ["--h1", "-H", "content-type: application/json"])["rps"])
+        grpc_rates.append(run_h2load(grpc_url, frame, 1, seconds / 2)["rps"])
+    r, g = sum(rest_rates) / 2, sum(grpc_rates) / 2
+    return f"c=1, h2load for both: REST {r:,.0f} rps, gRPC Predict {g:,.0f} rps ({g / r:.2f}x)"
 
 
 def print_front_end_targets(serve: dict[str, dict], model_s: dict[int, float]) -> None:
@@ -446,7 +475,8 @@ def main() -> None:
             for s in servers:
                 results[s][key] = merge(slices[s], rows)
                 print(f"  {key:<10} {s:<9} {fmt(results[s][key], rows > 1)}", file=sys.stderr, flush=True)
-        protocols = protocol_rows(ports["serve"], name, work, script, text, a.duration / 2) if "serve" in servers else []
+        protocols = (protocol_rows(ports["serve"], name, work, script, text, a.duration, max(1, a.rounds))
+                     if "serve" in servers else [])
         shares = worker_shares(ports["serve"]) if "serve" in servers else {}
         peaks = {s: peak_rss_mb(proc.pid) for s, proc in procs.items()}
     finally:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, NamedTuple
 
 import hpack
+from hpack.table import HeaderTable
 
 from serve.core.errors import Code
 
@@ -205,6 +206,56 @@ def _parse_timeout(value: bytes) -> float | None:
     return int(digits) * units[unit]
 
 
+# -- header blocks -------------------------------------------------------------------------------
+
+class _CountedTable(HeaderTable):
+    """hpack's dynamic table, counting its changes (an insertion, a resize)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generation = 0
+
+    def add(self, name: bytes, value: bytes) -> None:
+        self.generation += 1
+        super().add(name, value)
+
+    @property
+    def maxsize(self) -> int:
+        return self._maxsize
+
+    @maxsize.setter
+    def maxsize(self, value: int) -> None:
+        self.generation += 1
+        HeaderTable.maxsize.fset(self, value)
+
+
+class HeaderDecoder:
+    """hpack's decoder with a memory: a client repeats its request headers call after call, and
+    once its table holds them it sends the same few bytes each time (or literals it does not
+    index, such as h2load's). A block whose decoding left the table unchanged means the same
+    headers for as long as the table stays unchanged, so it is decoded once: measured at c=256,
+    decoding took 15% of the event loop's time before."""
+
+    CACHED_BLOCKS = 32
+
+    def __init__(self, max_header_list_size: int) -> None:
+        self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
+        self._table = self._decoder.header_table = _CountedTable()
+        self._cache: dict[bytes, tuple[int, list]] = {}
+
+    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        generation = self._table.generation
+        known = self._cache.get(block)
+        if known is not None and known[0] == generation:
+            return known[1]
+        headers = self._decoder.decode(block, raw=True)
+        if self._table.generation == generation:
+            if len(self._cache) >= self.CACHED_BLOCKS:
+                self._cache.clear()
+            self._cache[block] = (generation, headers)
+        return headers
+
+
 # -- the connection ------------------------------------------------------------------------------
 
 class GrpcConnection(asyncio.Protocol):
@@ -217,7 +268,7 @@ class GrpcConnection(asyncio.Protocol):
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.peer = "client"
-        self.decoder = hpack.Decoder(max_header_list_size=self.limits.max_header_bytes)
+        self.decoder = HeaderDecoder(self.limits.max_header_bytes)
         self.buffer = b""
         self.preface = False
         self.calls: dict[int, Call] = {}
@@ -486,7 +537,7 @@ class GrpcConnection(asyncio.Protocol):
             return
         oversized = False
         try:
-            headers = self.decoder.decode(block, raw=True)
+            headers = self.decoder.decode(block)
         except hpack.OversizedHeaderListError:
             headers, oversized = [], True
         except hpack.HPACKError as exc:

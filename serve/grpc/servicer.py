@@ -47,7 +47,7 @@ from serve.core.loaded_model import LoadedModel
 from serve.core.model_config_file import ModelConfigError, sources_from_config
 from serve.grpc import open_inference
 from serve.grpc.http2 import Call, Method, RpcError
-from serve.grpc.tensors import from_tensor_proto, to_tensor_proto
+from serve.grpc.tensors import fill_tensor_proto, from_tensor_proto
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class GrpcApi:
         response = predict_pb2.PredictResponse()
         _fill_spec(response.model_spec, spec.name, model, signature_name)
         for name in wanted:
-            response.outputs[name].CopyFrom(to_tensor_proto(outputs[name]))
+            fill_tensor_proto(response.outputs[name], outputs[name])
         return response
 
     async def classify(self, request: classification_pb2.ClassificationRequest, context):

@@ -68,17 +68,15 @@ def from_tensor_proto(proto: Any, where: str) -> np.ndarray:
     return np.array(values, dtype=numpy_dtype).reshape(dims)
 
 
-def to_tensor_proto(array: np.ndarray) -> Any:
-    """numpy -> TensorProto (strings as string_val, numbers as tensor_content)."""
-    from tensorflow.core.framework import tensor_pb2
-
-    proto = tensor_pb2.TensorProto()
+def fill_tensor_proto(proto: Any, array: np.ndarray) -> None:
+    """numpy -> the (empty) TensorProto `proto`, in place (a response's map entry: no copy);
+    strings as string_val, numbers as tensor_content."""
+    dims = proto.tensor_shape.dim
     for size in array.shape:
-        proto.tensor_shape.dim.add().size = size
+        dims.add().size = size
     name = dtype_name(array)
     proto.dtype = _dtype_numbers()[name]
     if name == "DT_STRING":
         proto.string_val.extend(array.ravel().tolist())
     else:
         proto.tensor_content = np.ascontiguousarray(array).tobytes()
-    return proto
