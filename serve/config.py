@@ -71,7 +71,8 @@ class ServeConfig:
     )
 
     max_connections: int = option(
-        1024, "open HTTP connections per worker; past it a new connection gets an immediate 503"
+        1024, "open connections per worker on each port; past it a new REST connection gets an immediate 503, "
+              "a new gRPC one a GOAWAY"
     )
     header_timeout_s: float = option(
         10.0, "seconds a client has to send a request's headers (slow clients are cut off with 408)",

@@ -6,6 +6,7 @@ the served methods themselves are tested with the real server in test_grpc.py an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import struct
@@ -100,8 +101,8 @@ class _Port:
         pass
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[_Port]:
+@contextlib.contextmanager
+def _serving() -> Iterator[_Port]:
     loop = asyncio.new_event_loop()
     server = _Port(loop)
     listening = loop.run_until_complete(loop.create_server(server.protocol_factory, "127.0.0.1", 0))
@@ -111,6 +112,12 @@ def port() -> Iterator[_Port]:
     yield server
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[_Port]:
+    with _serving() as server:
+        yield server
 
 
 def _call(port: _Port, method: str, request: bytes, timeout: float = 10, **options) -> bytes:
@@ -368,3 +375,17 @@ def test_remembered_header_blocks_follow_the_header_table():
     decoder.decode(b"\x20")  # a table size update to 0 empties the table: entry 62 no longer exists
     with pytest.raises(hpack.HPACKError):
         decoder.decode(b"\xbe")
+
+
+def test_connections_past_the_limit_get_goaway():
+    with _serving() as port:
+        clients = [Raw(port) for _ in range(LIMITS["max_connections"])]
+        _wait(lambda: port.limits.open == LIMITS["max_connections"])
+        refused = Raw(port)
+        assert _goaway(refused.until(GOAWAY))[1] == http2.ENHANCE_YOUR_CALM
+        assert refused.closed() and port.limits.refused == 1
+        clients.pop().sock.close()  # room for one more
+        _wait(lambda: port.limits.open == LIMITS["max_connections"] - 1)
+        again = Raw(port)
+        again.call(1, "/test.T/Echo", b"in")
+        assert b"in" in b"".join(f[3] for f in again.until(HEADERS, 1) + again.until(HEADERS, 1) if f[0] == DATA)
