@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import logging
 import socket
 import struct
@@ -332,11 +333,29 @@ def test_headers_past_the_limit_are_resource_exhausted_then_goaway(port):
     assert _goaway(raw.until(GOAWAY))[1] == http2.ENHANCE_YOUR_CALM
 
 
-def test_compressed_messages_are_unimplemented(port):
+def test_compressed_requests_are_inflated_within_the_limit(port):
+    request = b"a compressible request " * 1000
+    assert _call_compressed(port, "/test.T/Echo", request) == request
+    with pytest.raises(grpc.RpcError) as info:  # 5 MiB of zeros: 5 KB on the wire, past the 4 MiB limit inflated
+        _call_compressed(port, "/test.T/Echo", bytes(5 << 20))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "decompressed" in info.value.details()
+
+
+def _call_compressed(port: _Port, method: str, request: bytes) -> bytes:
+    with grpc.insecure_channel(f"127.0.0.1:{port.number}", compression=grpc.Compression.Gzip) as channel:
+        return channel.unary_unary(method)(request, timeout=10)
+
+
+@pytest.mark.parametrize("encoding, payload, code, words", [
+    ("br", b"\x1f\x8b", Code.UNIMPLEMENTED, "not supported"),
+    ("gzip", b"not gzip at all", Code.INTERNAL, "not valid gzip"),
+    ("gzip", gzip.compress(b"cut short")[:-12], Code.INTERNAL, "truncated"),
+])
+def test_unreadable_compressed_messages(port, encoding, payload, code, words):
     raw = Raw(port)
-    raw.call(1, "/test.T/Echo", b"\x1f\x8b", extra=[("grpc-encoding", "gzip")], flag=1)
+    raw.call(1, "/test.T/Echo", payload, extra=[("grpc-encoding", encoding)], flag=1)
     trailers = raw.headers(raw.until(HEADERS, 1)[-1][3])
-    assert trailers["grpc-status"] == str(Code.UNIMPLEMENTED.value) and "gzip" in trailers["grpc-message"]
+    assert trailers["grpc-status"] == str(code.value) and words in trailers["grpc-message"], trailers
 
 
 def test_ping_is_answered_and_settings_acknowledged(port):

@@ -14,7 +14,8 @@ what gRPC clients use without TLS:
 - flow control both ways: the client's windows are honoured (an answer larger than them waits
   for WINDOW_UPDATE), ours are credited back as data arrives;
 - gRPC: unary and server-streaming methods from a table (`Method`), `grpc-timeout` as the call's
-  deadline (`Call.time_remaining`), one length-prefixed message per request, answers as headers,
+  deadline (`Call.time_remaining`), one length-prefixed message per request (gzip or deflate
+  compressed ones are inflated, never past the message limit), answers as headers,
   DATA and `grpc-status`/`grpc-message` trailers in one write (errors before any message: one
   trailers-only HEADERS frame). Handlers raise `RpcError` to end a call with a status.
 
@@ -34,6 +35,7 @@ import asyncio
 import logging
 import socket
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, NamedTuple
 
@@ -646,11 +648,12 @@ class GrpcConnection(asyncio.Protocol):
         self.buffered -= call.size
         body = b"".join(call.body)
         call.body = []
-        problem = _framing_problem(body, call.encoding)
-        if problem is not None:
-            self._answer(call, *problem)
+        try:
+            message = _request_message(body, call.encoding, self.limits.max_message_bytes)
+        except RpcError as exc:
+            self._answer(call, exc.code, exc.message)
         else:
-            call.task = self.loop.create_task(self._run(call, self.methods[call.method], body[5:]))
+            call.task = self.loop.create_task(self._run(call, self.methods[call.method], message))
             self.server.track(call.task)
         self._credit()
 
@@ -765,19 +768,38 @@ class GrpcConnection(asyncio.Protocol):
             self._close_when_idle()
 
 
-def _framing_problem(body: bytes, encoding: bytes) -> tuple[Code, str] | None:
-    """What is wrong with a unary call's request, if anything: exactly one message, uncompressed."""
+_DECOMPRESSORS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
+"""grpc-encoding -> zlib's wbits for it (what grpcio sends with `compression=grpc.Compression.Gzip`)."""
+
+
+def _request_message(body: bytes, encoding: bytes, limit: int) -> bytes:
+    """A unary call's one request message, decompressed (to at most `limit` bytes); RpcError if
+    the body is not exactly one message or cannot be read."""
     if len(body) < 5:
-        return Code.INTERNAL, "a unary call needs exactly one request message; none arrived"
+        raise RpcError(Code.INTERNAL, "a unary call needs exactly one request message; none arrived")
     if int.from_bytes(body[1:5], "big") != len(body) - 5:
-        return Code.INTERNAL, "a unary call needs exactly one request message; the length prefix does not match"
-    if body[0] == 1:
-        if encoding in (b"", b"identity"):
-            return Code.INTERNAL, "a compressed message without grpc-encoding"
-        return Code.UNIMPLEMENTED, f"grpc-encoding {encoding.decode('latin-1')!r} is not supported: send uncompressed"
-    if body[0] != 0:
-        return Code.INTERNAL, f"unknown message flag {body[0]}"
-    return None
+        raise RpcError(Code.INTERNAL, "a unary call needs exactly one request message; the length prefix does not match")
+    if body[0] == 0:
+        return body[5:]
+    if body[0] != 1:
+        raise RpcError(Code.INTERNAL, f"unknown message flag {body[0]}")
+    if encoding in (b"", b"identity"):
+        raise RpcError(Code.INTERNAL, "a compressed message without grpc-encoding")
+    wbits = _DECOMPRESSORS.get(encoding)
+    if wbits is None:
+        raise RpcError(Code.UNIMPLEMENTED, f"grpc-encoding {encoding.decode('latin-1')!r} is not supported: "
+                                           "send gzip, deflate or uncompressed messages")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        message = inflater.decompress(body[5:], limit + 1)  # never more than the limit, whatever the ratio
+    except zlib.error:
+        raise RpcError(Code.INTERNAL, f"the request message is not valid {encoding.decode()} data") from None
+    if len(message) > limit:
+        raise RpcError(Code.RESOURCE_EXHAUSTED, f"request message larger than the limit of {limit} bytes "
+                                                "once decompressed (--max-body-bytes)")
+    if not inflater.eof:
+        raise RpcError(Code.INTERNAL, f"the request message is truncated {encoding.decode()} data")
+    return message
 
 
 __all__ = ["Call", "GrpcConnection", "GrpcLimits", "Method", "RpcError", "status_block"]
