@@ -151,6 +151,16 @@ class AcceptGate:
             log.warning("cannot serve an accepted connection: %s", task.exception())
         self.publish()
 
+    async def close(self) -> None:
+        """Stop accepting, take every connection already queued (closing the socket would reset
+        them), close the socket, and wait until each taken connection has its protocol."""
+        self.stop()
+        taken = self.take_queue()
+        self.sock.close()
+        if taken:
+            log.info("drain: %d connection(s) taken from the listening queue", taken)
+        await self.settle()
+
     def take_queue(self) -> int:
         """Accept every connection already queued on the socket (at drain: closing a listening socket
         resets them, and clients that connected just before would see a reset, not an answer)."""

@@ -70,10 +70,7 @@ class GrpcServer:
         it are taken first), every connection gets GOAWAY, calls in progress finish for up to
         `grace_s`; returns how many had to be abandoned."""
         await self.health.close(min(grace_s, HEALTH_FAREWELL_S))
-        self.gate.stop()
-        self.gate.take_queue()
-        self.sock.close()
-        await self.gate.settle()
+        await self.gate.close()
         for connection in list(self.connections):
             connection.goaway()
         deadline = self.loop.time() + grace_s

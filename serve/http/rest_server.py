@@ -70,12 +70,7 @@ class RestServer:
         idle; after `timeout_s`, cancel what still runs. Returns how many requests were abandoned."""
         self.begin_drain()
         if gate is not None:
-            gate.stop()
-            taken = gate.take_queue()
-            gate.sock.close()
-            if taken:
-                log.info("drain: %d connection(s) taken from the listening queue", taken)
-            await gate.settle()  # each taken connection is in self.connections before the wait below
+            await gate.close()  # each taken connection is in self.connections before the wait below
         loop = self.loop
         deadline = loop.time() + timeout_s
         while (self.connections or self.tasks) and loop.time() < deadline and not self.force_exit:
