@@ -75,8 +75,9 @@ STREAM_WINDOW = 1 << 20
 BUFFER_LIMIT = 4
 """Incomplete request messages' bytes one connection may hold, in largest messages: past it the
 connection window is no longer credited, so the client waits until calls complete."""
-RESET_LIMIT = 200
-"""Stream resets from a client per second before the connection is closed (rapid reset)."""
+RESET_LIMIT = 1000
+"""Stream resets from a client per second before the connection is closed (rapid reset). A client
+can have at most MAX_STREAMS calls open, so cancelling all of them at once stays well below it."""
 GOAWAY_LINGER_S = 0.5
 """After GOAWAY with no call left, how long the client gets to close first (closing a socket with
 unread data in it resets the connection, which could cut off the last answer)."""
