@@ -78,7 +78,8 @@ class ServeConfig:
         10.0, "seconds a client has to send a request's headers (slow clients are cut off with 408)",
         flag="--header-timeout", metavar="SECONDS",
     )
-    body_timeout_s: float = option(30.0, "seconds a client has to send a request's body (else 408)",
+    body_timeout_s: float = option(30.0, "seconds a client has to send a request's body (else 408; over gRPC, "
+                                         "its message after its headers, else DEADLINE_EXCEEDED)",
                                    flag="--body-timeout", metavar="SECONDS")
     keepalive_timeout_s: float = option(30.0, "seconds an idle keep-alive connection stays open",
                                         flag="--keepalive-timeout", metavar="SECONDS")

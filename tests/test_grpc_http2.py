@@ -39,7 +39,8 @@ from serve.grpc.http2 import (
     frame,
 )
 
-LIMITS = dict(max_connections=8, header_timeout_s=0.5, max_header_bytes=4096, max_message_bytes=4 << 20)
+LIMITS = dict(max_connections=8, header_timeout_s=0.5, max_header_bytes=4096, max_message_bytes=4 << 20,
+              body_timeout_s=0.3)
 
 
 class _Port:
@@ -408,3 +409,19 @@ def test_connections_past_the_limit_get_goaway():
         again = Raw(port)
         again.call(1, "/test.T/Echo", b"in")
         assert b"in" in b"".join(f[3] for f in again.until(HEADERS, 1) + again.until(HEADERS, 1) if f[0] == DATA)
+
+
+def test_a_request_message_must_follow_its_headers_in_time(port):
+    raw = Raw(port)
+    headers = [(":method", "POST"), (":path", "/test.T/Echo"), ("content-type", "application/grpc")]
+    raw.sock.sendall(frame(HEADERS, END_HEADERS, 1, raw.encoder.encode(headers)))  # and no message
+    raw.sock.sendall(frame(HEADERS, END_HEADERS, 3, raw.encoder.encode(headers)))
+    time.sleep(0.1)  # the message of call 3 comes later, in time
+    raw.sock.sendall(frame(DATA, END_STREAM, 3, b"\x00\x00\x00\x00\x02ok"))
+    start = time.monotonic()
+    frames = raw.until(HEADERS, 1)
+    assert 0.1 < time.monotonic() - start < 2
+    answer = raw.headers(next(f[3] for f in frames if f[0] == HEADERS and f[2] == 1))
+    assert answer["grpc-status"] == str(Code.DEADLINE_EXCEEDED.value) and "--body-timeout" in answer["grpc-message"]
+    assert any(f[0] == DATA and f[2] == 3 and f[3].endswith(b"ok") for f in frames)  # call 3 was answered
+    assert struct.unpack(">L", raw.until(RST_STREAM, 1)[-1][3])[0] == http2.NO_ERROR  # stop sending

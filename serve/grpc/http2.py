@@ -19,7 +19,8 @@ what gRPC clients use without TLS:
   DATA and `grpc-status`/`grpc-message` trailers in one write (errors before any message: one
   trailers-only HEADERS frame). Handlers raise `RpcError` to end a call with a status.
 
-What it guards against: a preface that does not arrive within `header_timeout_s`; more than
+What it guards against: a preface that does not arrive within `header_timeout_s`, a request
+message that does not arrive within `body_timeout_s` of its headers (DEADLINE_EXCEEDED); more than
 `MAX_STREAMS` concurrent calls on a connection (REFUSED_STREAM, which clients retry); header
 lists past `max_header_bytes` (RESOURCE_EXHAUSTED, then the connection is retired: its header
 table can no longer be trusted); request messages past `max_message_bytes` (RESOURCE_EXHAUSTED
@@ -109,6 +110,7 @@ class GrpcLimits:
     header_timeout_s: float
     max_header_bytes: int
     max_message_bytes: int
+    body_timeout_s: float = 30.0
     open: int = 0
     refused: int = 0
 
@@ -117,7 +119,7 @@ class Call:
     """One gRPC call (an HTTP/2 stream); handlers get it as their context."""
 
     __slots__ = ("id", "method", "deadline", "encoding", "body", "size", "receiving", "task", "out",
-                 "trailers", "send_window", "unacked", "headers_sent", "closed", "_loop")
+                 "trailers", "send_window", "unacked", "headers_sent", "closed", "timer", "_loop")
 
     def __init__(self, stream_id: int, method: str, deadline: float | None, send_window: int,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -138,6 +140,8 @@ class Call:
         self.unacked = 0
         self.headers_sent = False
         self.closed = False
+        self.timer: asyncio.TimerHandle | None = None
+        """Armed while the request message is still arriving after the read that opened the call."""
         self._loop = loop
 
     def time_remaining(self) -> float | None:
@@ -288,6 +292,8 @@ class GrpcConnection(asyncio.Protocol):
         self.blocked: dict[int, Call] = {}
         self.pending: list[bytes] | None = None
         """While a read is processed: frames to write at its end, in one write."""
+        self.opened: list[Call] = []
+        """Calls opened during this read: those whose message is still incomplete at its end get a timer."""
         self.goaway_sent = False
         self.peer_goaway = False
         """The client sent GOAWAY: it opens no more calls; the connection closes once they are done."""
@@ -371,8 +377,28 @@ class GrpcConnection(asyncio.Protocol):
         finally:
             pending, self.pending = self.pending, None
         self.buffer = buffer[used:]
+        if self.opened:
+            self._time_incomplete_requests()
         if pending and not self.closed:
             self.transport.write(b"".join(pending))
+
+    def _time_incomplete_requests(self) -> None:
+        """A request message must arrive within `body_timeout_s` of its call's headers (a client
+        trickling it, or never sending it, holds a call slot and buffer). Most clients send headers
+        and message together: only calls still incomplete after the read that opened them pay for
+        a timer."""
+        for call in self.opened:
+            if call.receiving and not call.closed:
+                call.timer = self.loop.call_later(self.limits.body_timeout_s, self._request_late, call)
+        self.opened.clear()
+
+    def _request_late(self, call: Call) -> None:
+        call.timer = None
+        if call.receiving and not call.closed and not self.closed:
+            log.info("gRPC %s %s: request message not received within %gs", self.peer, call.method,
+                     self.limits.body_timeout_s)
+            self._answer(call, Code.DEADLINE_EXCEEDED, f"request message not received within "
+                                                       f"{self.limits.body_timeout_s:g}s (--body-timeout)")
 
     def _read_frames(self, buffer: bytes) -> int:
         pos, end = 0, len(buffer)
@@ -571,8 +597,11 @@ class GrpcConnection(asyncio.Protocol):
             self._close_when_idle()
             return
         call = self._open(stream_id, headers)
-        if not call.closed and flags & END_STREAM:
-            self._end_of_request(call)
+        if not call.closed:
+            if flags & END_STREAM:
+                self._end_of_request(call)
+            else:
+                self.opened.append(call)
 
     def _open(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> Call:
         """A new call from its request headers; an unusable one is answered here and now."""
@@ -646,6 +675,9 @@ class GrpcConnection(asyncio.Protocol):
 
     def _end_of_request(self, call: Call) -> None:
         call.receiving = False
+        if call.timer is not None:
+            call.timer.cancel()
+            call.timer = None
         self.buffered -= call.size
         body = b"".join(call.body)
         call.body = []
@@ -747,6 +779,9 @@ class GrpcConnection(asyncio.Protocol):
         call.closed = True
         self.calls.pop(call.id, None)
         self.blocked.pop(call.id, None)
+        if call.timer is not None:
+            call.timer.cancel()
+            call.timer = None
         if call.receiving:
             call.receiving = False
             self.buffered -= call.size
@@ -760,6 +795,9 @@ class GrpcConnection(asyncio.Protocol):
         call.closed = True
         self.calls.pop(call.id, None)
         self.blocked.pop(call.id, None)
+        if call.timer is not None:
+            call.timer.cancel()
+            call.timer = None
         if call.receiving:
             self.buffered -= call.size
             call.receiving = False

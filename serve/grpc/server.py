@@ -41,7 +41,8 @@ class GrpcServer:
         self.health = Health(core)
         self.methods: dict[str, Method] = {**self.health.methods(), **self.api.methods()}
         self.limits = GrpcLimits(max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
-                                 max_header_bytes=config.max_header_bytes, max_message_bytes=config.max_body_bytes)
+                                 max_header_bytes=config.max_header_bytes, max_message_bytes=config.max_body_bytes,
+                                 body_timeout_s=config.body_timeout_s)
         self.connections: set[GrpcConnection] = set()
         self.tasks: set[asyncio.Task] = set()
         """Calls being answered (each a task running its method)."""
