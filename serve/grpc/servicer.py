@@ -74,7 +74,6 @@ class GrpcApi:
         self.config = config
         self.core = core
         self.open_inference = open_inference.OpenInferenceGrpc(config, core)
-        self.in_flight = 0
 
     def _model(self, spec) -> LoadedModel:
         version = spec.version.value if spec.HasField("version") else None
@@ -204,7 +203,6 @@ class GrpcApi:
 
         async def call(raw: bytes, context: Call) -> bytes:
             start = time.perf_counter()
-            self.in_flight += 1
             metrics.in_flight += 1
             code, message = Code.OK, ""
             try:
@@ -224,7 +222,6 @@ class GrpcApi:
                 log.exception("unhandled error in gRPC %s", route)
                 code, message = Code.INTERNAL, "internal error"
             finally:
-                self.in_flight -= 1
                 metrics.in_flight -= 1
                 metrics.observe_request(label, code.name, time.perf_counter() - start)
                 memory.after_request(len(raw))
