@@ -776,35 +776,33 @@ class GrpcConnection(asyncio.Protocol):
 
     def _close(self, call: Call) -> None:
         """Our side of `call` is done; a request still arriving is stopped (RST_STREAM NO_ERROR)."""
-        call.closed = True
-        self.calls.pop(call.id, None)
-        self.blocked.pop(call.id, None)
-        if call.timer is not None:
-            call.timer.cancel()
-            call.timer = None
-        if call.receiving:
-            call.receiving = False
-            self.buffered -= call.size
-            call.body = []
+        if self._release(call):
             self._write(frame(RST_STREAM, 0, call.id, struct.pack(">L", NO_ERROR)))
         if self.goaway_sent or self.peer_goaway:
             self._close_when_idle()
 
     def _drop(self, call: Call) -> None:
         """The client reset `call` (or the connection is gone): stop its handler, send nothing."""
+        self._release(call)
+        if call.task is not None and not call.task.done():
+            call.task.cancel()
+        if self.goaway_sent or self.peer_goaway:
+            self._close_when_idle()
+
+    def _release(self, call: Call) -> bool:
+        """Forget `call` (its slot, its waiting answer, its timer, its buffered request); True if its
+        request was still arriving."""
         call.closed = True
         self.calls.pop(call.id, None)
         self.blocked.pop(call.id, None)
         if call.timer is not None:
             call.timer.cancel()
             call.timer = None
-        if call.receiving:
+        receiving, call.receiving = call.receiving, False
+        if receiving:
             self.buffered -= call.size
-            call.receiving = False
-        if call.task is not None and not call.task.done():
-            call.task.cancel()
-        if (self.goaway_sent or self.peer_goaway) and not self.closed:
-            self._close_when_idle()
+            call.body = []
+        return receiving
 
 
 _DECOMPRESSORS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
