@@ -143,10 +143,11 @@ def _train_run(config: TrainConfig, mesh: dtensor.Mesh, test: bool = True) -> Tr
     report = Report(run_dir, chief=chief, progress=config.progress, tensorboard=config.tensorboard,
                     finished_epochs=progress.epoch)
     batches = Batches(mesh, state.model.layouts, vectorizer, config)
+    steps_per_epoch = len(splits.train.texts) // config.batch_size  # the last partial batch is dropped
     log.info("mesh %s on %d %s device(s), vocabulary of %d n-grams (width %d); %d steps/epoch, batch %d",
              ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names), mesh.num_local_devices() * config.num_clients,
              mesh.device_type(), len(vectorizer.vocabulary), model_config.max_tokens,
-             len(splits.train.texts) // config.batch_size, config.batch_size)
+             steps_per_epoch, config.batch_size)
     run = _Run(config, run_dir, state, batches, store, report)
     try:
         with _stop_on_signals() as stop:
@@ -156,7 +157,7 @@ def _train_run(config: TrainConfig, mesh: dtensor.Mesh, test: bool = True) -> Tr
                 else:
                     _save(run, progress)  # stopped mid-epoch by --max-steps
         if not test:
-            return _selected(run, progress, len(splits.train.texts) // config.batch_size)
+            return _selected(run, progress, steps_per_epoch)
         return _test(run, splits.test, progress)
     finally:
         report.close()
@@ -344,6 +345,11 @@ def _sum_steps(step, iterator: Iterator, num_steps: int | None) -> tuple[tf.Tens
     return first, second
 
 
+def _chosen_step(progress: TrainProgress) -> int:
+    """The step of the checkpoint a run stands by: its best (by validation), else its latest."""
+    return progress.best_step if progress.best_step >= 0 else progress.step
+
+
 def _test(run: _Run, test: Split, progress: TrainProgress) -> TrainResult:
     """The test split, once, on the best checkpoint (the latest without a validation split).
 
@@ -351,7 +357,7 @@ def _test(run: _Run, test: Split, progress: TrainProgress) -> TrainResult:
     listing: every client of a multi-client mesh must pick the same one, and only client 0 writes
     those files (another client may look before they are there)."""
     best = read_best(run.run_dir)
-    step = progress.best_step if progress.best_step >= 0 else progress.step
+    step = _chosen_step(progress)
     checkpoint = checkpoint_name(step)
     done = read_test(run.run_dir)
     if done is not None and done["checkpoint"] == checkpoint:
@@ -375,7 +381,7 @@ def _selected(run: _Run, progress: TrainProgress, steps_per_epoch: int) -> Train
     (a client's metrics history may be partial: only client 0 writes the file it resumes from)."""
     best = read_best(run.run_dir) or {}
     best_epoch = progress.best_step // steps_per_epoch if progress.best_step > 0 else None
-    checkpoint = checkpoint_name(progress.best_step if progress.best_step >= 0 else progress.step)
+    checkpoint = checkpoint_name(_chosen_step(progress))
     return TrainResult(run.run_dir, progress.step, progress.epoch, checkpoint,
                        best.get("validation_accuracy"), None, None, run.report.history, best_epoch)
 
