@@ -1,8 +1,9 @@
 """The sentiment MLP: Dense(max_tokens→hidden, relu) → BatchNorm → Dense(hidden→2).
 
 Written on `tf.Module` with DVariables because Keras 3 layers and optimizers reject DTensor. The
-forward math lives in `mlp_forward`, a function of plain tensors, so the DTensor model used in
-training and the plain-variable model written by export compute exactly the same thing.
+forward math lives in `mlp_forward`, a function of plain tensors, used by the DTensor model in
+training; export folds the trained values into `inference_weights` (BatchNorm's moving statistics
+as one scale and shift) and serves `inference_logits`, the same function computed row by row.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from common.mesh import ModelLayouts
 from common.model_config import NUM_CLASSES, ModelConfig
 from common.run_dir import MODEL_FILE
 
-__all__ = ["CLASS_NAMES", "NUM_CLASSES", "ModelConfig", "DTensorMLP", "mlp_forward", "row_softmax", "initial_values", "restore_model"]
+__all__ = ["CLASS_NAMES", "NUM_CLASSES", "ModelConfig", "DTensorMLP", "mlp_forward", "inference_weights",
+           "inference_logits", "margin_attribution", "row_softmax", "initial_values", "restore_model"]
 
 PARAMETERS = ("dense1_kernel", "dense1_bias", "bn_gamma", "bn_beta", "dense2_kernel", "dense2_bias")
 """Trainable variables, in the order gradients and optimizer slots use."""
@@ -72,7 +74,6 @@ def mlp_head(
     epsilon: float,
     dropout: float = 0.0,
     seed: tf.Tensor | None = None,
-    row_local: bool = False,
 ) -> tf.Tensor:
     """BatchNorm with the given statistics, dropout (training only: `dropout` > 0 with a
     stateless `seed` of shape [2]), then the output Dense layer: the logits."""
@@ -80,19 +81,6 @@ def mlp_head(
     normalized = normalized * params["bn_gamma"] + params["bn_beta"]
     if dropout:
         normalized = tf.nn.experimental.stateless_dropout(normalized, rate=dropout, seed=seed)
-    return output_layer(params, normalized, row_local=row_local)
-
-
-def output_layer(params: Mapping[str, tf.Tensor], normalized: tf.Tensor, *, row_local: bool = False) -> tf.Tensor:
-    """The output Dense layer. `row_local` computes each row on its own, in an order that does not
-    depend on the batch: a GEMM (oneDNN's or Eigen's) blocks its sums by the batch's size, so a
-    review's logits would change in the last bit with what else was in its batch (measured with
-    ONEDNN_MAX_CPU_ISA=AVX2: 229 of 240 reviews). Elementwise products are exact IEEE operations
-    in any SIMD lane, and a sum over the innermost axis runs the same code for every row.
-    Serving uses it; training keeps the GEMM (faster on large batches, sharded on a mesh)."""
-    if row_local:
-        products = normalized[:, tf.newaxis, :] * tf.transpose(params["dense2_kernel"])[tf.newaxis]
-        return tf.reduce_sum(products, axis=-1) + params["dense2_bias"]
     return tf.matmul(normalized, params["dense2_kernel"]) + params["dense2_bias"]
 
 
@@ -103,11 +91,12 @@ def row_softmax(logits: tf.Tensor) -> tf.Tensor:
     return tf.cast(tf.nn.softmax(tf.cast(logits, tf.float64)), tf.float32)
 
 
-def mlp_forward(params: Mapping[str, tf.Tensor], x: tf.Tensor, *, epsilon: float, row_local: bool = False) -> tf.Tensor:
-    """Inference logits for TF-IDF rows `x` (`row_local`: see `output_layer`).
+def mlp_forward(params: Mapping[str, tf.Tensor], x: tf.Tensor, *, epsilon: float) -> tf.Tensor:
+    """Inference logits for TF-IDF rows `x`, as training evaluates them.
 
     BatchNorm uses the moving statistics, so a review's prediction never depends on what else is
     in its batch (the DTensor tutorial's batch-statistics BatchNorm collapses on single reviews).
+    Serving computes the same function from `inference_weights` (`inference_logits`).
     """
     return mlp_head(
         params,
@@ -115,15 +104,49 @@ def mlp_forward(params: Mapping[str, tf.Tensor], x: tf.Tensor, *, epsilon: float
         params["bn_moving_mean"],
         params["bn_moving_variance"],
         epsilon=epsilon,
-        row_local=row_local,
     )
 
 
+def inference_weights(weights: Mapping[str, np.ndarray], epsilon: float) -> dict[str, np.ndarray]:
+    """The trained values in the form a served call uses: BatchNorm with its moving statistics
+    folded into one scale and one shift per hidden unit (computed in float64, rounded once), and
+    the output kernel as rows, one per class (`inference_logits` sums along them). Besides the
+    first kernel every value is tiny; an exported graph holds them as constants, so TensorFlow
+    reads no variable and runs no BatchNorm arithmetic or transpose for them on every call
+    (about 50 us of a batch-1 call on 2 cores)."""
+    gamma, beta, mean, variance = (np.asarray(weights[k], np.float64) for k in
+                                   ("bn_gamma", "bn_beta", "bn_moving_mean", "bn_moving_variance"))
+    scale = gamma / np.sqrt(variance + epsilon)
+    return {
+        "dense1_kernel": np.asarray(weights["dense1_kernel"], np.float32),
+        "dense1_bias": np.asarray(weights["dense1_bias"], np.float32),
+        "bn_scale": scale.astype(np.float32),
+        "bn_shift": (beta - mean * scale).astype(np.float32),
+        "dense2_rows": np.ascontiguousarray(np.asarray(weights["dense2_kernel"], np.float32).T),
+        "dense2_bias": np.asarray(weights["dense2_bias"], np.float32),
+    }
+
+
+def inference_logits(weights: Mapping[str, tf.Tensor], x: tf.SparseTensor) -> tf.Tensor:
+    """The logits of TF-IDF rows `x` from `inference_weights`, each row computed on its own.
+
+    The output layer is an elementwise product and a sum over the innermost axis, not a GEMM: a
+    GEMM (oneDNN's or Eigen's) blocks its sums by the batch's size, so a review's logits would
+    change in the last bit with what else was in its batch (measured with ONEDNN_MAX_CPU_ISA=AVX2:
+    229 of 240 reviews). Elementwise products are exact IEEE operations in any SIMD lane, and a
+    sum over the innermost axis runs the same code for every row. Training keeps the GEMM
+    (`mlp_forward`: faster on large batches, sharded on a mesh)."""
+    normalized = hidden_activations(weights, x) * weights["bn_scale"] + weights["bn_shift"]
+    products = normalized[:, tf.newaxis, :] * weights["dense2_rows"][tf.newaxis]
+    return tf.reduce_sum(products, axis=-1) + weights["dense2_bias"]
+
+
 def margin_attribution(
-    params: Mapping[str, tf.Tensor], x: tf.SparseTensor, logits: tf.Tensor, *, epsilon: float
+    weights: Mapping[str, tf.Tensor], x: tf.SparseTensor, logits: tf.Tensor
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """How much each feature cell of `x` adds to its row's predicted-class margin, the log-odds
-    `logit[predicted] - logit[other]` (so `sigmoid(margin)` is the predicted class's probability).
+    `logit[predicted] - logit[other]` (so `sigmoid(margin)` is the predicted class's probability),
+    from `inference_weights`.
 
     At inference the model is piecewise linear: with the ReLU pattern of a review fixed, BatchNorm
     (moving statistics) and both Dense layers are affine, so the margin is exactly
@@ -131,19 +154,19 @@ def margin_attribution(
     n-gram accounts for (the layers' biases and BatchNorm's shift, through the same ReLU pattern).
     Returns (one contribution per cell of `x`, in its order; the bias of each row). Computed in
     closed form with elementwise products and innermost sums only, so, like the forward pass, a
-    row's values do not depend on what else is in its batch.
+    row's values do not depend on its batch.
     """
     rows, columns = x.indices[:, 0], x.indices[:, 1]
-    pre_activation = tf.sparse.sparse_dense_matmul(x, params["dense1_kernel"]) + params["dense1_bias"]
+    pre_activation = tf.sparse.sparse_dense_matmul(x, weights["dense1_kernel"]) + weights["dense1_bias"]
     active = tf.cast(pre_activation > 0, tf.float32)
-    scale = params["bn_gamma"] * tf.math.rsqrt(params["bn_moving_variance"] + epsilon)
+    scale = weights["bn_scale"]
     predicted = tf.argmax(logits, axis=1)
-    kernel = tf.transpose(params["dense2_kernel"])  # [classes, hidden]
+    kernel = weights["dense2_rows"]  # [classes, hidden]
     direction = tf.gather(kernel, predicted) - tf.gather(kernel, 1 - predicted)  # [batch, hidden]
     per_unit = direction * active * scale  # d margin / d pre-activation
-    gradient = tf.reduce_sum(tf.gather(params["dense1_kernel"], columns) * tf.gather(per_unit, rows), axis=-1)
-    shift = active * scale * params["dense1_bias"] + params["bn_beta"] - scale * params["bn_moving_mean"]
-    output_bias = tf.gather(params["dense2_bias"], predicted) - tf.gather(params["dense2_bias"], 1 - predicted)
+    gradient = tf.reduce_sum(tf.gather(weights["dense1_kernel"], columns) * tf.gather(per_unit, rows), axis=-1)
+    shift = active * scale * weights["dense1_bias"] + weights["bn_shift"]
+    output_bias = tf.gather(weights["dense2_bias"], predicted) - tf.gather(weights["dense2_bias"], 1 - predicted)
     return x.values * gradient, tf.reduce_sum(direction * shift, axis=-1) + output_bias
 
 

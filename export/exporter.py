@@ -1,7 +1,8 @@
 """Checkpoint → versioned SavedModel that TensorFlow Serving (and `serve/`) can load.
 
-The sharded DTensor checkpoint is restored onto a 1-device mesh, its values are copied into plain
-`tf.Variable`s, and a `tf.Module` wrapping the TF-IDF vectorizer and `mlp_forward` is saved. The
+The sharded DTensor checkpoint is restored onto a 1-device mesh, its values are folded for serving
+(`common.model.inference_weights`: the first kernel in a plain `tf.Variable`, the small rest as
+graph constants), and a `tf.Module` wrapping the TF-IDF vectorizer and `inference_logits` is saved. The
 result needs neither DTensor nor project code to load. It is written to a temporary directory
 inside the model directory, checked by loading it back, and renamed into place, so a crash or an
 error never leaves a half-written version for a server polling the directory to pick up.
@@ -33,11 +34,10 @@ from common.checkpoint import (
 from common.mesh import single_device_mesh
 from common.model import (
     CLASS_NAMES,
-    PARAMETERS,
-    STATISTICS,
     ModelConfig,
+    inference_logits,
+    inference_weights,
     margin_attribution,
-    mlp_forward,
     restore_model,
     row_softmax,
 )
@@ -89,22 +89,26 @@ class ExportResult:
 
 
 class PlainMLP(tf.Module):
-    """The trained MLP's values in ordinary variables (same names as DTensorMLP's DVariables)."""
+    """The trained MLP folded for serving (`common.model.inference_weights`): the first kernel in
+    a plain `tf.Variable` (the only large value), the rest as constants of the graph, so a call
+    reads one variable and TensorFlow's graph optimizer has nothing left to compute for them."""
 
     def __init__(self, weights: dict[str, np.ndarray], epsilon: float) -> None:
         super().__init__(name="sentiment_mlp")
-        self.epsilon = epsilon
-        for name in PARAMETERS + STATISTICS:
-            setattr(self, name, tf.Variable(weights[name], trainable=False, name=name))
+        folded = inference_weights(weights, epsilon)
+        self.dense1_kernel = tf.Variable(folded.pop("dense1_kernel"), trainable=False, name="dense1_kernel")
+        # Plain numpy, not tracked by tf.Module: each traced function makes them Const nodes.
+        object.__setattr__(self, "constants", folded)
 
-    def params(self) -> dict[str, tf.Variable]:
-        return {name: getattr(self, name) for name in PARAMETERS + STATISTICS}
+    def weights(self) -> dict[str, tf.Tensor]:
+        """For use inside a traced function (the constants become nodes of that graph)."""
+        return {"dense1_kernel": self.dense1_kernel, **{k: tf.constant(v) for k, v in self.constants.items()}}
 
-    def __call__(self, x: tf.Tensor) -> tf.Tensor:
-        return mlp_forward(self.params(), x, epsilon=self.epsilon, row_local=True)
+    def __call__(self, x: tf.SparseTensor) -> tf.Tensor:
+        return inference_logits(self.weights(), x)
 
     def attribution(self, x: tf.SparseTensor, logits: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        return margin_attribution(self.params(), x, logits, epsilon=self.epsilon)
+        return margin_attribution(self.weights(), x, logits)
 
 
 class SentimentModel(tf.Module):

@@ -80,7 +80,7 @@ class Batcher:
         (then a fast model is called at once, see `submit`).
 
         Merging requests does not change their answers: the exported model computes each row on
-        its own (`common.model.output_layer`), so no row is padded or reordered here.
+        its own (`common.model.inference_logits`), so no row is padded or reordered here.
         """
         self.max_batch_size = max_batch_size
         self.batch_timeout_s = batch_timeout_s
