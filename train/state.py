@@ -91,7 +91,7 @@ class TrainState:
         layout = dtensor.Layout.replicated(mesh, 0)
         self._seed = dtensor.copy_to_mesh(tf.constant(config.seed, tf.int64), layout)
 
-    @tf.function
+    @tf.function(autograph=False)  # no tensor-dependent Python control flow to convert
     def train_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """One optimizer step on a global batch; returns (mean loss, accuracy) of the batch."""
         step = self.progress.step.assign_add(1)  # also the dropout seed: reproducible, and new each step
@@ -104,7 +104,7 @@ class TrainState:
         accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32))
         return loss, accuracy
 
-    @tf.function
+    @tf.function(autograph=False)
     def eval_step(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """(sum of losses, number correct) over the real rows of a batch; padding rows have label -1."""
         real = tf.cast(y >= 0, tf.float32)
