@@ -26,6 +26,10 @@ PAUSE_ON_ERROR_S = 0.1
 MAX_DEFER_S = 0.02
 """How long a worker leaves queued connections to its siblings before taking one itself: a sibling
 whose event loop is busy (or stuck) must not hold new connections back for longer."""
+MAX_ACCEPTS_PER_WAKE = 32
+"""Most connections one wake-up takes while this worker is still the least loaded: a busy worker
+that fell behind catches up in one event-loop turn instead of one connection per turn (256 new
+connections took over a second to spread over two busy workers that way)."""
 
 
 class StartupError(RuntimeError):
@@ -48,8 +52,8 @@ def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
 
 
 class AcceptGate:
-    """Accepts connections from `sock` one at a time into `create_protocol`, deferring to the
-    sibling workers while one of them holds fewer open connections.
+    """Accepts connections from `sock` into `create_protocol` while this worker holds no more open
+    connections than any sibling, deferring to the sibling workers while one of them holds fewer.
 
     `loads` is shared memory (the supervisor's `multiprocessing.Array`): each worker's open
     connections, -1 for a worker that is not accepting (starting, restarting, draining). Every
@@ -112,15 +116,18 @@ class AcceptGate:
                 self._pause(RETRY_S)  # level-triggered: it would wake again at once
                 return
         self._deferring_since = None
-        try:
-            conn, _ = self.sock.accept()
-        except (BlockingIOError, InterruptedError):
-            return  # a sibling took it
-        except OSError as exc:  # EMFILE and the like: the connection waits in the queue meanwhile
-            log.warning("cannot accept a connection: %s; trying again in %gs", exc, PAUSE_ON_ERROR_S)
-            self._pause(PAUSE_ON_ERROR_S)
-            return
-        self.take(conn)
+        for _ in range(MAX_ACCEPTS_PER_WAKE):
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return  # the queue is empty (or a sibling took it)
+            except OSError as exc:  # EMFILE and the like: the connection waits in the queue meanwhile
+                log.warning("cannot accept a connection: %s; trying again in %gs", exc, PAUSE_ON_ERROR_S)
+                self._pause(PAUSE_ON_ERROR_S)
+                return
+            self.take(conn)
+            if not self._my_turn():
+                return  # the next one is a sibling's (or this worker's next wake-up's)
 
     def _pause(self, seconds: float) -> None:
         self._loop.remove_reader(self.sock.fileno())

@@ -468,6 +468,32 @@ def test_accept_gate_leaves_a_connection_to_a_less_loaded_sibling_but_not_foreve
     assert 0.3 <= _gate_run(sibling_load=0) < 5.0
 
 
+def test_accept_gate_takes_queued_connections_in_one_wake_up_while_it_is_the_least_loaded():
+    """Ten connections wait in the queue; a sibling holds three. One wake-up takes connections
+    while this worker holds no more than the sibling, so four (loads 0..3), and leaves the rest;
+    alone (no sibling) one wake-up takes all ten. A busy worker that fell behind catches up in one
+    event-loop turn instead of one connection per turn."""
+    from serve.sockets import AcceptGate, bind_socket
+
+    async def taken_in_one_wake_up(loads: list[int] | None) -> int:
+        sock = bind_socket("127.0.0.1", 0)
+        clients = [socket.create_connection(sock.getsockname()) for _ in range(10)]
+        opened: list[asyncio.Protocol] = []
+        gate = AcceptGate(sock, asyncio.Protocol, lambda: len(opened), loads=loads, index=0)
+        gate._accepting = True  # as start() leaves it, without the reader that would wake it again
+        sock.setblocking(False)  # each connect() returned after its handshake: all ten are queued
+        gate._on_readable()
+        taken = len(gate._connecting)
+        await gate.settle()
+        for client in clients:
+            client.close()
+        sock.close()
+        return taken
+
+    assert asyncio.run(taken_in_one_wake_up([0, 3])) == 4
+    assert asyncio.run(taken_in_one_wake_up(None)) == 10
+
+
 def test_accept_gate_pauses_when_out_of_file_descriptors():
     """EMFILE leaves the connection queued: the gate pauses instead of spinning on the wake-ups."""
     script = r"""
