@@ -148,6 +148,12 @@ class Call:
         """Seconds left before the client's deadline, or None if it set none."""
         return None if self.deadline is None else max(0.0, self.deadline - self._loop.time())
 
+    def disarm(self) -> None:
+        """Cancel the request-message timer, if one is armed."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
 
 # -- encoding ------------------------------------------------------------------------------------
 
@@ -675,9 +681,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _end_of_request(self, call: Call) -> None:
         call.receiving = False
-        if call.timer is not None:
-            call.timer.cancel()
-            call.timer = None
+        call.disarm()
         self.buffered -= call.size
         body = b"".join(call.body)
         call.body = []
@@ -795,9 +799,7 @@ class GrpcConnection(asyncio.Protocol):
         call.closed = True
         self.calls.pop(call.id, None)
         self.blocked.pop(call.id, None)
-        if call.timer is not None:
-            call.timer.cancel()
-            call.timer = None
+        call.disarm()
         receiving, call.receiving = call.receiving, False
         if receiving:
             self.buffered -= call.size
