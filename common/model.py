@@ -136,15 +136,21 @@ def inference_logits(weights: Mapping[str, tf.Tensor], x: tf.SparseTensor) -> tf
     229 of 240 reviews). Elementwise products are exact IEEE operations in any SIMD lane, and a
     sum over the innermost axis runs the same code for every row. Training keeps the GEMM
     (`mlp_forward`: faster on large batches, sharded on a mesh)."""
-    normalized = hidden_activations(weights, x) * weights["bn_scale"] + weights["bn_shift"]
+    return _inference_head(weights, hidden_activations(weights, x))
+
+
+def _inference_head(weights: Mapping[str, tf.Tensor], hidden: tf.Tensor) -> tf.Tensor:
+    """BatchNorm (folded) and the output layer, row by row (see `inference_logits`)."""
+    normalized = hidden * weights["bn_scale"] + weights["bn_shift"]
     products = normalized[:, tf.newaxis, :] * weights["dense2_rows"][tf.newaxis]
     return tf.reduce_sum(products, axis=-1) + weights["dense2_bias"]
 
 
 def margin_attribution(
-    weights: Mapping[str, tf.Tensor], x: tf.SparseTensor, logits: tf.Tensor
-) -> tuple[tf.Tensor, tf.Tensor]:
-    """How much each feature cell of `x` adds to its row's predicted-class margin, the log-odds
+    weights: Mapping[str, tf.Tensor], x: tf.SparseTensor
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """The logits of `x` (as `inference_logits` computes them, from the same first-layer product)
+    and how much each feature cell adds to its row's predicted-class margin, the log-odds
     `logit[predicted] - logit[other]` (so `sigmoid(margin)` is the predicted class's probability),
     from `inference_weights`.
 
@@ -152,12 +158,13 @@ def margin_attribution(
     (moving statistics) and both Dense layers are affine, so the margin is exactly
     `sum_i x_i * dmargin/dx_i + bias`, the gradient x input of every cell plus a bias that no
     n-gram accounts for (the layers' biases and BatchNorm's shift, through the same ReLU pattern).
-    Returns (one contribution per cell of `x`, in its order; the bias of each row). Computed in
-    closed form with elementwise products and innermost sums only, so, like the forward pass, a
-    row's values do not depend on its batch.
+    Returns (the logits; one contribution per cell of `x`, in its order; the bias of each row).
+    Computed in closed form with elementwise products and innermost sums only, so, like the forward
+    pass, a row's values do not depend on its batch.
     """
     rows, columns = x.indices[:, 0], x.indices[:, 1]
     pre_activation = tf.sparse.sparse_dense_matmul(x, weights["dense1_kernel"]) + weights["dense1_bias"]
+    logits = _inference_head(weights, tf.nn.relu(pre_activation))  # the first layer's product, once
     active = tf.cast(pre_activation > 0, tf.float32)
     scale = weights["bn_scale"]
     predicted = tf.argmax(logits, axis=1)
@@ -167,7 +174,7 @@ def margin_attribution(
     gradient = tf.reduce_sum(tf.gather(weights["dense1_kernel"], columns) * tf.gather(per_unit, rows), axis=-1)
     shift = active * scale * weights["dense1_bias"] + weights["bn_shift"]
     output_bias = tf.gather(weights["dense2_bias"], predicted) - tf.gather(weights["dense2_bias"], 1 - predicted)
-    return x.values * gradient, tf.reduce_sum(direction * shift, axis=-1) + output_bias
+    return logits, x.values * gradient, tf.reduce_sum(direction * shift, axis=-1) + output_bias
 
 
 def variable_layouts(layouts: ModelLayouts) -> dict[str, dtensor.Layout]:

@@ -107,8 +107,9 @@ class PlainMLP(tf.Module):
     def __call__(self, x: tf.SparseTensor) -> tf.Tensor:
         return inference_logits(self.weights(), x)
 
-    def attribution(self, x: tf.SparseTensor, logits: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        return margin_attribution(self.weights(), x, logits)
+    def attribution(self, x: tf.SparseTensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """(logits, contributions, bias): see `common.model.margin_attribution`."""
+        return margin_attribution(self.weights(), x)
 
 
 class SentimentModel(tf.Module):
@@ -145,8 +146,7 @@ class SentimentModel(tf.Module):
         `ngrams` and `contributions` are [batch, most n-grams of a review in this call], padded with
         "" and 0. For every row, sum(contributions) + bias = ln(p_label / p_other)."""
         features = self.vectorizer.sparse(text)
-        logits = self.mlp(features)
-        contributions, bias = self.mlp.attribution(features, logits)
+        logits, contributions, bias = self.mlp.attribution(features)
         rows, columns = features.indices[:, 0], features.indices[:, 1]
         order = tf.argsort(-contributions, stable=True)  # within a row: most supporting first
         order = tf.gather(order, tf.argsort(tf.gather(rows, order), stable=True))  # then by row
