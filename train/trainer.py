@@ -148,7 +148,7 @@ def _train_run(config: TrainConfig, mesh: dtensor.Mesh, test: bool = True) -> Tr
              ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names), mesh.num_local_devices() * config.num_clients,
              mesh.device_type(), len(vectorizer.vocabulary), model_config.max_tokens,
              steps_per_epoch, config.batch_size)
-    run = _Run(config, run_dir, state, batches, store, report)
+    run = _Run(config, run_dir, state, batches, store, report, steps_per_epoch)
     try:
         with _stop_on_signals() as stop:
             while not _finished(progress, config):
@@ -157,7 +157,7 @@ def _train_run(config: TrainConfig, mesh: dtensor.Mesh, test: bool = True) -> Tr
                 else:
                     _save(run, progress)  # stopped mid-epoch by --max-steps
         if not test:
-            return _selected(run, progress, steps_per_epoch)
+            return _selected(run, progress)
         return _test(run, splits.test, progress)
     finally:
         report.close()
@@ -245,12 +245,14 @@ class _Run:
     batches: Batches
     store: CheckpointStore
     report: Report
+    steps_per_epoch: int
+    """Full batches in the training split (the last partial batch is dropped)."""
 
 
 def _train_epoch(run: _Run, split: Split, progress: TrainProgress, stop: threading.Event) -> bool:
     """Train (the rest of) the current epoch; True when it finished, False when --max-steps cut it."""
     G = run.config.batch_size
-    steps_per_epoch = len(split.texts) // G
+    steps_per_epoch = run.steps_per_epoch
     start_batch = progress.examples_in_epoch // G
     rows = epoch_order(len(split.texts), run.config.seed, progress.epoch)[start_batch * G : steps_per_epoch * G]
     todo = len(rows) // G
@@ -375,12 +377,12 @@ def _test(run: _Run, test: Split, progress: TrainProgress) -> TrainResult:
                        best.get("validation_accuracy") if best else None, loss, accuracy, run.report.history)
 
 
-def _selected(run: _Run, progress: TrainProgress, steps_per_epoch: int) -> TrainResult:
+def _selected(run: _Run, progress: TrainProgress) -> TrainResult:
     """A run that only selects (the refit's first run): its best checkpoint and epoch, no test
     score. The epoch comes from the mesh's own progress variables, which every client holds alike
     (a client's metrics history may be partial: only client 0 writes the file it resumes from)."""
     best = read_best(run.run_dir) or {}
-    best_epoch = progress.best_step // steps_per_epoch if progress.best_step > 0 else None
+    best_epoch = progress.best_step // run.steps_per_epoch if progress.best_step > 0 else None
     checkpoint = checkpoint_name(_chosen_step(progress))
     return TrainResult(run.run_dir, progress.step, progress.epoch, checkpoint,
                        best.get("validation_accuracy"), None, None, run.report.history, best_epoch)
