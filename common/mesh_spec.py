@@ -70,6 +70,28 @@ def strategy_mesh(strategy: str, num_devices: int) -> MeshDims:
 
 DEFAULT_STRATEGY = "feature"
 
+STRATEGY_MULTIPLE = {"model": 2, "spatial": 4}
+"""Device counts a strategy's mesh needs a multiple of."""
+
+MULTI_CLIENT_DEVICES = 8
+"""`--devices 0` with several clients: every client must arrive at the same global count without
+asking the others, so it is this fixed number (what the multi-client examples and manifests use)."""
+
+
+def default_device_count(mesh: str | None, strategy: str | None, num_clients: int, local_devices: int) -> int:
+    """What `--devices 0` stands for: the size of `--mesh`; MULTI_CLIENT_DEVICES with several
+    clients; else `local_devices` (the visible GPUs, or the virtual CPU devices this host should
+    have), rounded up to what `--strategy` needs."""
+    if mesh:
+        product = 1
+        for _, size in parse_mesh(mesh):
+            product *= size
+        return product
+    if num_clients > 1:
+        return MULTI_CLIENT_DEVICES
+    multiple = STRATEGY_MULTIPLE.get(strategy or DEFAULT_STRATEGY, 1)
+    return -(-max(1, local_devices) // multiple) * multiple
+
 
 def resolve_mesh_dims(mesh: str | None, strategy: str | None, num_devices: int) -> MeshDims:
     """Mesh dims from `--mesh` or `--strategy` (DEFAULT_STRATEGY when neither is given)."""

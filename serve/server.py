@@ -10,7 +10,8 @@ import logging
 import os
 import sys
 
-from serve.config import DEFAULT_MODEL_DIR, EXIT_STARTUP, ServeConfig, configure_logging, usable_cpus
+from common.cpus import usable_cpus
+from serve.config import DEFAULT_MODEL_DIR, EXIT_STARTUP, ServeConfig, configure_logging
 from serve.core.model_config_file import ModelConfigError, config_sources
 from serve.sockets import StartupError, bind_socket
 

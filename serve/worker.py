@@ -21,7 +21,8 @@ import resource
 import signal
 import socket
 
-from serve.config import EXIT_ABANDONED, EXIT_OK, ServeConfig, configure_logging, usable_cpus
+from common.cpus import usable_cpus
+from serve.config import EXIT_ABANDONED, EXIT_OK, ServeConfig, configure_logging
 from serve.core.dataplane import ServingCore
 from serve.core.metrics import PeerMetrics
 from serve.core.model_config_file import ModelConfigError, config_sources, file_fingerprint, read_model_config

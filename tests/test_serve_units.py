@@ -68,7 +68,7 @@ def test_config_rejects_bad_values_naming_the_flag(kwargs, message):
     ({}, None),
 ])
 def test_default_workers_follow_the_cgroup_cpu_limit(tmp_path, files, cpus):
-    from serve.config import _cgroup_cpu_quota, usable_cpus
+    from common.cpus import _cgroup_cpu_quota, usable_cpus
 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

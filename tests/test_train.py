@@ -4,6 +4,7 @@ interrupts, model selection, inference mode, and the errors a user meets first."
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 # The whole bundled corpus with the default vocabulary, a narrow model: an epoch in seconds.
-LEARN = dict(hidden=16, batch_size=64, epochs=1, learning_rate=3e-3, progress=False, refit=False)
+LEARN = dict(hidden=16, batch_size=64, epochs=1, learning_rate=3e-3, progress=False, refit=False, devices=8)
 # Mechanics (checkpoints, resume, errors) only: a capped corpus, small vocabulary, no dropout and
 # no validation split unless a test wants them.
 TINY = dict(limit=1000, max_tokens=400, hidden=16, batch_size=32, epochs=2, progress=False, learning_rate=3e-3,
@@ -218,7 +219,7 @@ def test_patience_stops_early(tmp_path: Path) -> None:
 
 def test_batch_size_must_divide_by_the_batch_dimension(tmp_path: Path) -> None:
     with pytest.raises(MeshError, match=r"--batch-size 30 does not divide by the mesh's 'batch' dimension \(8\)"):
-        train(TrainConfig(run_dir=str(tmp_path), strategy="data", **dict(TINY, batch_size=30)))
+        train(TrainConfig(run_dir=str(tmp_path), strategy="data", **dict(TINY, batch_size=30, devices=8)))
     assert not (tmp_path / CHECKPOINT_DIR).exists()
 
 
@@ -247,7 +248,8 @@ def test_tensorboard_scalars_from_a_real_run(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--mesh", "batch=3"], "spans 3 devices but --devices is 8"),
+        (["--mesh", "batch=3", "--devices", "8"], "spans 3 devices but --devices is 8"),
+        (["--devices", "-1"], "--devices must be at least 1 (or 0"),
         (["--mesh", "batch=4,model"], "expected NAME=SIZE"),
         (["--strategy", "spatial", "--devices", "6"], "divisible by 4"),
         (["--data", "/nonexistent/reviews.csv"], "/nonexistent/reviews.csv"),
@@ -264,6 +266,37 @@ def test_cli_reports_bad_input_clearly(tmp_path: Path, args: list[str], message:
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("flags", "cores", "gpus", "expected"), [
+    ({}, 2, 0, 2),  # one virtual CPU device per core...
+    ({}, 32, 0, 8),  # ...at most 8
+    ({}, 2, 1, 1),  # every GPU when present
+    ({"device_type": "CPU"}, 2, 0, 2),
+    ({"strategy": "spatial"}, 2, 0, 4),  # rounded up to what the strategy needs
+    ({"strategy": "model"}, 3, 0, 4),
+    ({"mesh": "batch=3"}, 2, 0, 3),  # the mesh's own size
+    ({"num_clients": 2, "jobs": "a:1,b:2"}, 2, 0, 8),  # every client arrives at the same count alone
+    ({"devices": 5, "strategy": "data"}, 2, 4, 5),  # asked for: kept
+])
+def test_devices_0_picks_a_count_that_fits_the_host(monkeypatch, flags: dict, cores: int, gpus: int,
+                                                      expected: int) -> None:
+    import train.config
+
+    monkeypatch.setattr(train.config, "usable_cpus", lambda: cores)
+    config = TrainConfig(**flags)
+    assert config.device_count(gpus) == expected
+    assert math.prod(size for _, size in config.mesh_dims(expected)) == expected
+
+
+def test_the_default_device_count_is_what_the_run_records(tmp_path: Path) -> None:
+    """--devices 0 is made concrete before the run starts: the log line and train_config.json say
+    how many devices ran (one per core here, at most 8; the test process has 8)."""
+    from common.cpus import usable_cpus
+
+    result = train(TrainConfig(run_dir=str(tmp_path), **dict(TINY, epochs=1)))
+    saved = json.loads((tmp_path / "train_config.json").read_text())
+    assert saved["devices"] == min(usable_cpus(), 8) and result.step > 0
 
 
 def test_bad_data_leaves_no_run_directory_behind(tmp_path: Path) -> None:

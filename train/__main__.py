@@ -44,7 +44,7 @@ def _launch_local(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
         parser.error("--launch-local sets --num-clients/--client-id/--jobs itself; leave them out")
     try:
         config = dataclass_from_args(TrainConfig, args, num_clients=args.launch_local, client_id=0, jobs=None)
-        check_client_mesh(config.mesh_dims(), config.devices, config.num_clients)
+        check_client_mesh(config.mesh_dims(), config.device_count(), config.num_clients)
     except ValueError as exc:
         parser.error(str(exc))
     return launch_local(args.launch_local, sys.argv[1:] if argv is None else argv)

@@ -9,8 +9,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from common.cli import option
-from common.mesh_spec import STRATEGIES, MeshDims, check_cluster, parse_jobs, resolve_mesh_dims
+from common.cpus import usable_cpus
+from common.mesh_spec import STRATEGIES, MeshDims, check_cluster, default_device_count, parse_jobs, resolve_mesh_dims
 from common.model_config import ModelConfig, VectorizerSettings
+
+MAX_DEFAULT_CPU_DEVICES = 8
+"""The most virtual CPU devices `--devices 0` makes (one per core up to this)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +49,10 @@ class TrainConfig:
     dropout: float = option(0.7, "dropout rate on the hidden layer while training (0: none)")
     bn_momentum: float = option(0.9, "BatchNorm moving-statistics momentum")
 
-    devices: int = option(8, "number of devices in the mesh (virtual CPUs, or GPUs when present)")
+    devices: int = option(
+        0, "number of devices in the mesh (virtual CPUs, or GPUs when present); 0: every GPU when present, else "
+           "one virtual CPU device per core this process may use, at most 8 (the size of --mesh when given; 8 "
+           "with several clients)")
     device_type: Literal["auto", "CPU", "GPU"] = option("auto", "device type; auto uses GPUs when present")
     mesh: str | None = option(None, "mesh as NAME=SIZE,... e.g. batch=4,model=2 (dims: batch, feature, model)")
     strategy: Literal["feature", "data", "model", "spatial"] | None = option(
@@ -82,7 +89,9 @@ class TrainConfig:
     jobs: str | None = option(None, "comma-separated host:port of every client (DTENSOR_JOBS)")
 
     def __post_init__(self) -> None:
-        positive = ("devices", "epochs", "batch_size", "keep_checkpoints", "steps_per_call", "max_tokens", "hidden")
+        if self.devices < 0:
+            raise ValueError(f"--devices must be at least 1 (or 0: one per core or GPU), got {self.devices}")
+        positive = ("epochs", "batch_size", "keep_checkpoints", "steps_per_call", "max_tokens", "hidden")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -106,11 +115,24 @@ class TrainConfig:
         VectorizerSettings(ngrams=self.ngrams, sublinear_tf=self.sublinear_tf, normalize=self.normalize,
                            min_df=self.min_df, nb_weighting=self.nb_weighting)
 
-    def mesh_dims(self) -> MeshDims:
-        """The mesh's dimensions: --mesh, or --strategy (feature for one process; data, which gives
-        each client whole batch replicas, for several)."""
-        strategy = self.strategy or (None if self.num_clients == 1 or self.mesh else "data")
-        return resolve_mesh_dims(self.mesh, strategy, self.devices)
+    def _strategy(self) -> str | None:
+        """--strategy, else feature for one process (None) and data, which gives each client whole
+        batch replicas, for several."""
+        return self.strategy or (None if self.num_clients == 1 or self.mesh else "data")
+
+    def device_count(self, visible_gpus: int = 0) -> int:
+        """--devices, or what 0 stands for given the GPUs TensorFlow sees (`visible_gpus`; 0 for
+        --device-type CPU). On CPUs: one virtual device per usable core, at most
+        MAX_DEFAULT_CPU_DEVICES: more virtual devices than cores only slows the same training down
+        (bench/train_bench.py; 8 on 2 cores took 1.5x the time of 2, with identical results)."""
+        if self.devices:
+            return self.devices
+        local = visible_gpus or min(usable_cpus(), MAX_DEFAULT_CPU_DEVICES)
+        return default_device_count(self.mesh, self._strategy(), self.num_clients, local)
+
+    def mesh_dims(self, devices: int | None = None) -> MeshDims:
+        """The mesh's dimensions over `devices` (default: `device_count()`): --mesh, or the strategy."""
+        return resolve_mesh_dims(self.mesh, self._strategy(), devices or self.device_count())
 
     def model_config(self, width: int) -> ModelConfig:
         """The model for a vocabulary `width` n-grams wide."""

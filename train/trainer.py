@@ -107,6 +107,7 @@ def train(config: TrainConfig, mesh: dtensor.Mesh | None = None) -> TrainResult:
     RUN_DIR/selection; the model in RUN_DIR is then trained again from scratch, vocabulary
     included, on all the training data (validation reviews too) for that many epochs. Held-out
     reviews find the stopping point; they are not lost to the model that gets exported."""
+    config = _with_device_count(config, mesh)
     mesh = mesh or make_mesh(config)
     if not (config.refit and config.validation_fraction > 0):
         return _train_run(config, mesh)
@@ -425,6 +426,18 @@ def stop_agreed(mesh: dtensor.Mesh, config: TrainConfig, requested: bool) -> boo
     layout = dtensor.Layout.batch_sharded(mesh, mesh.dim_names[0], rank=1)
     flags = dtensor.pack([tf.constant([float(requested)])] * mesh.num_local_devices(), layout)
     return bool(to_host(tf.reduce_max(flags)) > 0)
+
+
+def _with_device_count(config: TrainConfig, mesh: dtensor.Mesh | None) -> TrainConfig:
+    """`config` with --devices 0 made concrete (the mesh's, or what 0 stands for on this host), so
+    that the log and RUN_DIR/train_config.json say what ran."""
+    if config.devices:
+        return config
+    if mesh is not None:
+        devices = mesh.num_local_devices() * config.num_clients
+    else:
+        devices = config.device_count(0 if config.device_type == "CPU" else len(tf.config.list_physical_devices("GPU")))
+    return dataclasses.replace(config, devices=devices)
 
 
 def make_mesh(config: TrainConfig) -> dtensor.Mesh:
