@@ -10,7 +10,9 @@ Measured side by side, each load level in --rounds slices that alternate which s
                 the same request and response JSON (needs `pip install -e ".[bench]"`);
   - `baseline`: with --baseline CHECKOUT, python -m serve of that checkout (an earlier commit), on
                 --baseline-model-dir when given (the same run exported by that checkout);
-  - the in-process model call (no HTTP) for 1 and 64 reviews per call;
+  - the in-process model call (no HTTP) for 1 and 64 reviews per call, in slices before, between
+    and after the servers' load levels (this host's speed drifts over minutes: the targets compare
+    with the mean of those slices);
   - on `serve` (defaults) also, at c=1, 32 and 256: KServe V2 REST `infer` (wrk), and over gRPC TF
     Serving's `Predict` and V2's `ModelInfer` (raw tensors, as tritonclient sends them) with `h2load`
     (Debian's `nghttp2-client`; skipped without it), each gRPC answer checked once with `nghttp` to
@@ -195,20 +197,25 @@ def merge(slices: list[dict], rows_per_request: int) -> dict:
     }
 
 
-def model_call_rate(model_dir: str, text: str) -> dict[int, float]:
-    """Seconds per in-process call of serving_default for 1 and 64 reviews."""
-    import numpy as np
+def load_signature(model_dir: str):  # noqa: ANN201 - a concrete function
     import tensorflow as tf
 
     versions = sorted(int(p.name) for p in Path(model_dir).iterdir() if p.name.isdigit())
-    fn = tf.saved_model.load(str(Path(model_dir) / str(versions[-1]))).signatures["serving_default"]
+    return tf.saved_model.load(str(Path(model_dir) / str(versions[-1]))).signatures["serving_default"]
+
+
+def model_call_rate(fn, text: str, seconds: float = 1.0) -> dict[int, float]:  # noqa: ANN001 - a concrete function
+    """Seconds per in-process call of serving_default for 1 and 64 reviews (`seconds` of calls each)."""
+    import numpy as np
+    import tensorflow as tf
+
     out = {}
     for rows in (1, 64):
         x = tf.constant(np.array([text.encode()] * rows, dtype=object))
         for _ in range(20):
             fn(text=x)
         n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 2:
+        while time.perf_counter() - t0 < seconds:
             fn(text=x)
             n += 1
         out[rows] = (time.perf_counter() - t0) / n
@@ -371,7 +378,7 @@ def same_tool_c1(port: int, name: str, rest: Path, frame: Path, seconds: float) 
 
 def print_front_end_targets(serve: dict[str, dict], model_s: dict[int, float]) -> None:
     """The front end against the model alone (same run): what it costs on top of the model."""
-    print("\nthe server (defaults) against the model alone (same run):")
+    print("\nthe server (defaults) against the model alone (same run, the mean of its slices):")
     if "c=1" in serve:
         budget = model_s[1] * 1e3 + 0.3
         p50 = serve["c=1"]["p50_ms"]
@@ -435,7 +442,11 @@ def main() -> None:
     rows_plan = [(c, 1) for c in levels] + [(32, a.batch_rows)]
     servers = [s.strip() for s in a.servers.split(",")] + (["baseline"] if a.baseline else [])
 
-    rate = model_call_rate(a.model_dir, text)
+    signature = load_signature(a.model_dir)
+    model_slices = [model_call_rate(signature, text)]
+    """The model alone, measured before, between and after the servers' load levels: this host's
+    speed drifts by 20-40% over minutes, so the servers are compared with the model's mean over the
+    same stretch of time, not with one measurement at the start."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     ports = {s: free_port() for s in servers}
     while "serve" in servers and not port_free(ports["serve"] + 1):
@@ -471,6 +482,7 @@ def main() -> None:
                 shift = (li + r) % len(servers)
                 for s in servers[shift:] + servers[:shift]:
                     slices[s].append(run_wrk(ports[s], path, bodies[rows], script, c, a.duration / max(1, a.rounds)))
+                model_slices.append(model_call_rate(signature, text))
             key = f"c={c}" if rows == 1 else f"c={c} x{rows}"
             for s in servers:
                 results[s][key] = merge(slices[s], rows)
@@ -485,6 +497,8 @@ def main() -> None:
         for proc in procs.values():
             proc.wait(60)
         tmp.cleanup()
+    model_slices.append(model_call_rate(signature, text))
+    rate = {rows: sum(m[rows] for m in model_slices) / len(model_slices) for rows in (1, 64)}
 
     print(f"\nServing benchmark, {started}, {os.cpu_count()} CPU cores shared by wrk and the servers "
           f"(load average {load_before:.1f} before); {source} per request; wrk -t1, {a.duration:g}s per level "
@@ -510,8 +524,12 @@ def main() -> None:
     if len(shares) > 1:
         print("\nserve: share of the requests per worker (whole run): "
               + ", ".join(f"worker {w} {share:.1%}" for w, share in shares.items()))
-    print(f"\nin-process model call (no HTTP): 1 review {rate[1] * 1e3:.2f} ms ({1 / rate[1]:,.0f} reviews/s); "
-          f"64 reviews {rate[64] * 1e3:.2f} ms ({64 / rate[64]:,.0f} reviews/s)")
+    lo = {rows: min(m[rows] for m in model_slices) for rows in (1, 64)}
+    hi = {rows: max(m[rows] for m in model_slices) for rows in (1, 64)}
+    print(f"\nin-process model call (no HTTP), mean of {len(model_slices)} slices before, between and after the "
+          f"load levels: 1 review {rate[1] * 1e3:.2f} ms ({1 / rate[1]:,.0f} reviews/s; slices {lo[1] * 1e3:.2f}-"
+          f"{hi[1] * 1e3:.2f} ms); 64 reviews {rate[64] * 1e3:.2f} ms ({64 / rate[64]:,.0f} reviews/s; slices "
+          f"{64 / hi[64]:,.0f}-{64 / lo[64]:,.0f})")
     if "serve" in servers:
         print_front_end_targets(results["serve"], rate)
     if "naive" in servers and "serve" in servers:
@@ -525,7 +543,9 @@ def main() -> None:
             print(f"  c=256: serve errors other than 429/503: {bad or 0}, "
                   f"socket errors: {results['serve']['c=256']['socket_errors'] or 0}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"date": started, "results": results, "model_call_s": rate}, indent=2))
+        Path(a.json).write_text(json.dumps({"date": started, "results": results, "model_call_s": rate,
+                                            "model_call_slices_s": model_slices},
+                                           indent=2))
 
 
 if __name__ == "__main__":
