@@ -443,10 +443,10 @@ def main() -> None:
     servers = [s.strip() for s in a.servers.split(",")] + (["baseline"] if a.baseline else [])
 
     signature = load_signature(a.model_dir)
+    # The model alone, measured before, between and after the servers' load levels: this host's
+    # speed drifts by 20-40% over minutes, so the servers are compared with the model's mean over
+    # the same stretch of time, not with one measurement at the start.
     model_slices = [model_call_rate(signature, text)]
-    """The model alone, measured before, between and after the servers' load levels: this host's
-    speed drifts by 20-40% over minutes, so the servers are compared with the model's mean over the
-    same stretch of time, not with one measurement at the start."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     ports = {s: free_port() for s in servers}
     while "serve" in servers and not port_free(ports["serve"] + 1):
