@@ -289,6 +289,11 @@ def test_devices_0_picks_a_count_that_fits_the_host(monkeypatch, flags: dict, co
     assert math.prod(size for _, size in config.mesh_dims(expected)) == expected
 
 
+def test_devices_0_says_when_the_gpus_cannot_hold_the_strategy() -> None:
+    with pytest.raises(MeshError, match=r"--strategy spatial needs 4 devices but this host has 1 GPU\(s\)"):
+        TrainConfig(strategy="spatial").device_count(visible_gpus=1)
+
+
 def test_the_default_device_count_is_what_the_run_records(tmp_path: Path) -> None:
     """--devices 0 is made concrete before the run starts: the log line and train_config.json say
     how many devices ran (one per core here, at most 8; the test process has 8)."""

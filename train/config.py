@@ -10,7 +10,15 @@ from typing import Literal
 
 from common.cli import option
 from common.cpus import usable_cpus
-from common.mesh_spec import STRATEGIES, MeshDims, check_cluster, default_device_count, parse_jobs, resolve_mesh_dims
+from common.mesh_spec import (
+    STRATEGIES,
+    MeshDims,
+    MeshError,
+    check_cluster,
+    default_device_count,
+    parse_jobs,
+    resolve_mesh_dims,
+)
 from common.model_config import ModelConfig, VectorizerSettings
 
 MAX_DEFAULT_CPU_DEVICES = 8
@@ -129,7 +137,12 @@ class TrainConfig:
         if self.devices:
             return self.devices
         local = visible_gpus or min(usable_cpus(), MAX_DEFAULT_CPU_DEVICES)
-        return default_device_count(self.mesh, self._strategy(), self.num_clients, local)
+        count = default_device_count(self.mesh, self._strategy(), self.num_clients, local)
+        if visible_gpus and self.num_clients == 1 and count > visible_gpus:
+            what = f"--mesh {self.mesh}" if self.mesh else f"--strategy {self._strategy()}"
+            raise MeshError(f"{what} needs {count} devices but this host has {visible_gpus} GPU(s): choose "
+                            "another --strategy or --mesh, or --device-type CPU for virtual CPU devices")
+        return count
 
     def mesh_dims(self, devices: int | None = None) -> MeshDims:
         """The mesh's dimensions over `devices` (default: `device_count()`): --mesh, or the strategy."""
