@@ -7,6 +7,7 @@ mesh (which needs TensorFlow) is `common.mesh.create_mesh`.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Sequence
 
@@ -83,10 +84,7 @@ def default_device_count(mesh: str | None, strategy: str | None, num_clients: in
     clients; else `local_devices` (the visible GPUs, or the virtual CPU devices this host should
     have), rounded up to what `--strategy` needs."""
     if mesh:
-        product = 1
-        for _, size in parse_mesh(mesh):
-            product *= size
-        return product
+        return mesh_size(parse_mesh(mesh))
     if num_clients > 1:
         return MULTI_CLIENT_DEVICES
     multiple = STRATEGY_MULTIPLE.get(strategy or DEFAULT_STRATEGY, 1)
@@ -98,12 +96,14 @@ def resolve_mesh_dims(mesh: str | None, strategy: str | None, num_devices: int) 
     if mesh and strategy:
         raise MeshError("give either --mesh or --strategy, not both")
     dims = parse_mesh(mesh) if mesh else strategy_mesh(strategy or DEFAULT_STRATEGY, num_devices)
-    product = 1
-    for _, size in dims:
-        product *= size
-    if product != num_devices:
-        raise MeshError(f"--mesh {format_mesh(dims)} spans {product} devices but --devices is {num_devices}")
+    if mesh_size(dims) != num_devices:
+        raise MeshError(f"--mesh {format_mesh(dims)} spans {mesh_size(dims)} devices but --devices is {num_devices}")
     return dims
+
+
+def mesh_size(dims: Sequence[tuple[str, int]]) -> int:
+    """How many devices a mesh of `dims` spans."""
+    return math.prod(size for _, size in dims)
 
 
 def format_mesh(dims: MeshDims) -> str:

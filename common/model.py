@@ -55,14 +55,19 @@ def initial_values(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     }
 
 
-def hidden_activations(params: Mapping[str, tf.Tensor], x: tf.Tensor | tf.SparseTensor) -> tf.Tensor:
-    """The first Dense layer with its ReLU. `x` may be sparse (serving: a review touches a few
+def pre_activations(params: Mapping[str, tf.Tensor], x: tf.Tensor | tf.SparseTensor) -> tf.Tensor:
+    """The first Dense layer before its ReLU. `x` may be sparse (serving: a review touches a few
     hundred of the vocabulary's n-grams) or dense (training batches on a mesh)."""
     if isinstance(x, tf.SparseTensor):
         product = tf.sparse.sparse_dense_matmul(x, params["dense1_kernel"])
     else:
         product = tf.matmul(x, params["dense1_kernel"])
-    return tf.nn.relu(product + params["dense1_bias"])
+    return product + params["dense1_bias"]
+
+
+def hidden_activations(params: Mapping[str, tf.Tensor], x: tf.Tensor | tf.SparseTensor) -> tf.Tensor:
+    """The first Dense layer with its ReLU (see `pre_activations`)."""
+    return tf.nn.relu(pre_activations(params, x))
 
 
 def mlp_head(
@@ -163,7 +168,7 @@ def margin_attribution(
     pass, a row's values do not depend on its batch.
     """
     rows, columns = x.indices[:, 0], x.indices[:, 1]
-    pre_activation = tf.sparse.sparse_dense_matmul(x, weights["dense1_kernel"]) + weights["dense1_bias"]
+    pre_activation = pre_activations(weights, x)
     logits = _inference_head(weights, tf.nn.relu(pre_activation))  # the first layer's product, once
     active = tf.cast(pre_activation > 0, tf.float32)
     scale = weights["bn_scale"]
