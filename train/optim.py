@@ -71,20 +71,28 @@ class Adam(tf.Module):
         self.learning_rate, self.beta_1, self.beta_2, self.epsilon = learning_rate, beta_1, beta_2, epsilon
         self.weight_decay = weight_decay
         self.decay = tuple(decay) or (True,) * len(parameters)
-        mesh = dtensor.fetch_layout(parameters[0]).mesh
-        self.iterations = _scalar(mesh, 0.0, tf.float32, "iterations")
+        self.mesh = dtensor.fetch_layout(parameters[0]).mesh
+        self.iterations = _scalar(self.mesh, 0.0, tf.float32, "iterations")
         self.m = [_zeros_like(p, f"m_{i}") for i, p in enumerate(parameters)]
         self.v = [_zeros_like(p, f"v_{i}") for i, p in enumerate(parameters)]
 
     def apply(self, gradients: Sequence[tf.Tensor], parameters: Sequence[tf.Variable]) -> None:
+        """One step with TensorFlow's fused kernel (`ResourceApplyAdam`, which DTensor runs on each
+        device's shard): it reads the gradient and the three variables once and writes them once.
+        The same step in separate ops made ~15 passes over the first kernel and its two slots, half
+        of a training step's time with a 300k-wide vocabulary (19M weights)."""
         _decay(parameters, self.decay, self.learning_rate * self.weight_decay)
         step = self.iterations.assign_add(1.0)
-        # Bias correction folded into the step size, as Keras does.
-        lr = self.learning_rate * tf.sqrt(1.0 - tf.pow(self.beta_2, step)) / (1.0 - tf.pow(self.beta_1, step))
+        # Bias correction from beta ** step, as Keras does (the kernel folds it into the step size).
+        constants = {name: self._replicated(value) for name, value in (
+            ("lr", self.learning_rate), ("beta1", self.beta_1), ("beta2", self.beta_2), ("epsilon", self.epsilon))}
+        beta1_power, beta2_power = tf.pow(constants["beta1"], step), tf.pow(constants["beta2"], step)
         for grad, param, m, v in zip(gradients, parameters, self.m, self.v):
-            m.assign(self.beta_1 * m + (1.0 - self.beta_1) * grad)
-            v.assign(self.beta_2 * v + (1.0 - self.beta_2) * tf.square(grad))
-            param.assign_sub(lr * m / (tf.sqrt(v) + self.epsilon))
+            tf.raw_ops.ResourceApplyAdam(var=param.handle, m=m.handle, v=v.handle, beta1_power=beta1_power,
+                                         beta2_power=beta2_power, grad=grad, **constants)
+
+    def _replicated(self, value: float) -> tf.Tensor:
+        return dtensor.copy_to_mesh(tf.constant(value, tf.float32), dtensor.Layout.replicated(self.mesh, 0))
 
 
 def make_optimizer(name: str, parameters: Sequence[tf.Variable], learning_rate: float, momentum: float = 0.0,
