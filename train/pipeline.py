@@ -22,6 +22,9 @@ from train.data import Split, load_data, split_validation
 
 log = logging.getLogger(__name__)
 
+EVALUATION_BATCH_BYTES = 128 << 20
+"""The most host memory one evaluation batch's dense float32 features take (see `evaluation`)."""
+
 
 @dataclass(frozen=True)
 class Splits:
@@ -105,8 +108,11 @@ class Batches:
         return self.iterator(texts, split.labels[rows].astype(np.int64), self.config.batch_size)
 
     def evaluation(self, split: Split) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
-        """Batches over a whole split, padded to full batches with rows whose label is -1."""
-        batch = self.config.batch_size * max(1, 512 // self.config.batch_size)
+        """Batches over a whole split, padded to full batches with rows whose label is -1. Up to 512
+        rows, fewer for a wide vocabulary: a batch is dense on the host, and a few are in flight
+        (512 rows of 300k n-grams were 600 MB each, most of a 6.4 GB run)."""
+        rows = min(512, EVALUATION_BATCH_BYTES // (4 * self.vectorizer.width))
+        batch = self.config.batch_size * max(1, rows // self.config.batch_size)
         padded = -(-len(split.texts) // batch) * batch
         pad = padded - len(split.texts)
         texts = list(split.texts) + [""] * pad
