@@ -101,8 +101,14 @@ class PlainMLP(tf.Module):
         object.__setattr__(self, "constants", folded)
 
     def weights(self) -> dict[str, tf.Tensor]:
-        """For use inside a traced function (the constants become nodes of that graph)."""
-        return {"dense1_kernel": self.dense1_kernel, **{k: tf.constant(v) for k, v in self.constants.items()}}
+        """For use inside a traced function (the constants become nodes of that graph). The kernel
+        is read as a whole (`ReadVariableOp`, no copy), never gathered from the variable itself: a
+        `ResourceGather` (what `tf.gather` on a variable becomes, as `explain` does) puts the
+        variable in copy-on-read mode for good, and from then on every call of every signature
+        copied the whole kernel (38 MB for 150k n-grams): after some `explain` calls a predict
+        answered at half its rate."""
+        return {"dense1_kernel": tf.convert_to_tensor(self.dense1_kernel),
+                **{k: tf.constant(v) for k, v in self.constants.items()}}
 
     def __call__(self, x: tf.SparseTensor) -> tf.Tensor:
         return inference_logits(self.weights(), x)

@@ -176,6 +176,19 @@ def test_contributions_and_bias_sum_to_the_log_odds_of_the_label(loaded):
         assert total == pytest.approx(np.log(p / (1 - p)), abs=2e-4), text
 
 
+def test_no_signature_gathers_from_the_kernel_variable(exported):
+    """Every signature reads the first kernel whole. A `ResourceGather` on it (`tf.gather` on the
+    variable) puts the variable in copy-on-read mode for the life of the process: from the first
+    `explain` on, every predict copied the whole kernel and answered at about half its rate."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved = saved_model_pb2.SavedModel()
+    saved.ParseFromString((exported.path / "saved_model.pb").read_bytes())
+    graph = saved.meta_graphs[0].graph_def
+    ops = {node.op for function in graph.library.function for node in function.node_def} | {n.op for n in graph.node}
+    assert "ReadVariableOp" in ops and not ops & {"ResourceGather", "ResourceGatherNd"}, sorted(ops)
+
+
 def test_explanations_list_the_reviews_known_ngrams_most_supporting_first(loaded, trained_run):
     import tensorflow as tf
 
