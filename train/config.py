@@ -46,8 +46,9 @@ class TrainConfig:
     limit: int | None = option(None, "use at most this many examples per split (quick runs)")
     run_dir: str = option("runs/default", "where checkpoints, vocabulary, config and metrics go")
 
-    max_tokens: int = option(100_000, "most n-grams in the TF-IDF vocabulary (the model's input width)")
-    ngrams: int = option(2, "longest n-gram in the vocabulary: 1 words only, 2 words and word pairs")
+    max_tokens: int = option(150_000, "most n-grams in the TF-IDF vocabulary (the model's input width)")
+    ngrams: int = option(3, "longest n-gram in the vocabulary: 1 words only, 2 words and word pairs, 3 also "
+                                "word triples")
     sublinear_tf: bool = option(True, "weigh a repeated n-gram by 1 + ln(count) instead of count")
     normalize: bool = option(True, "scale every review's TF-IDF row to unit length")
     min_df: int = option(2, "keep n-grams found in at least this many training reviews")
@@ -71,7 +72,7 @@ class TrainConfig:
     )
 
     optimizer: Literal["adam", "sgd"] = option("adam", "optimizer")
-    learning_rate: float = option(1e-4, "learning rate")
+    learning_rate: float = option(5e-5, "learning rate")
     weight_decay: float = option(0.0, "decoupled weight decay of the kernels, per step and unit learning rate (AdamW)")
     momentum: float = option(0.0, "SGD momentum (0 = plain SGD)")
     epochs: int = option(10, "most passes over the training split (fewer when --patience stops it)")
