@@ -47,9 +47,19 @@ _NO_KEY = -2
 
 
 def standardize(texts: tf.Tensor) -> tf.Tensor:
-    texts = tf.strings.lower(texts, encoding="utf-8")
+    texts = _lower(texts)
     texts = tf.strings.regex_replace(texts, _APOSTROPHE, "")
     return tf.strings.regex_replace(texts, _SEPARATORS, " ")
+
+
+def _lower(texts: tf.Tensor) -> tf.Tensor:
+    """Lower-cased texts, Unicode-aware (`É` -> `é`). Unicode case mapping costs about six times
+    ASCII's (232 vs 40 us per 32 IMDB reviews), and most texts are all ASCII, where both give the
+    same bytes: those take the ASCII op, only the others (and invalid UTF-8) the Unicode one."""
+    plain = tf.strings.regex_full_match(texts, r"[\x00-\x7f]*")
+    others = tf.where(tf.logical_not(plain))
+    unicode = tf.strings.lower(tf.gather_nd(texts, others), encoding="utf-8")
+    return tf.tensor_scatter_nd_update(tf.strings.lower(texts), others, unicode)
 
 
 def tokens(texts: tf.Tensor, ngrams: int) -> tf.RaggedTensor:

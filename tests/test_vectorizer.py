@@ -25,6 +25,13 @@ def test_cleaning_is_part_of_the_vectorizer():
                    ["élan", "and", "éclat", "a", "film"]]  # <br /> is a space, case folded beyond ASCII
 
 
+def test_lower_casing_takes_the_ascii_op_only_where_it_gives_the_same_bytes():
+    texts = tf.constant(["Hello WORLD", "Élan and ÉCLAT", "", "naïve ÇA va", b"bad \xff BYTES", "ASCII <BR />"])
+    want = tf.strings.lower(texts, encoding="utf-8").numpy().tolist()  # Unicode case mapping on every text
+    assert vec._lower(texts).numpy().tolist() == want
+    assert vec._lower(tf.constant([], tf.string)).numpy().tolist() == []
+
+
 def test_ngrams_change_the_vocabulary():
     unigrams = build_vocabulary(TEXTS, 1000, VectorizerSettings(ngrams=1, min_df=1))
     bigrams = build_vocabulary(TEXTS, 1000, VectorizerSettings(ngrams=2, min_df=1))
