@@ -96,8 +96,9 @@ def resolve_mesh_dims(mesh: str | None, strategy: str | None, num_devices: int) 
     if mesh and strategy:
         raise MeshError("give either --mesh or --strategy, not both")
     dims = parse_mesh(mesh) if mesh else strategy_mesh(strategy or DEFAULT_STRATEGY, num_devices)
-    if mesh_size(dims) != num_devices:
-        raise MeshError(f"--mesh {format_mesh(dims)} spans {mesh_size(dims)} devices but --devices is {num_devices}")
+    spans = mesh_size(dims)
+    if spans != num_devices:
+        raise MeshError(f"--mesh {format_mesh(dims)} spans {spans} devices but --devices is {num_devices}")
     return dims
 
 

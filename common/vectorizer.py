@@ -36,6 +36,8 @@ from common.run_dir import atomic_write_text
 VOCABULARY_FILE = "vocabulary.json"
 FORMAT = 2
 WIDTH_MULTIPLE = 8
+VOCABULARY_PASSES = 2
+"""How many times `build_vocabulary` reads the texts (and reports them to its `progress`)."""
 
 _APOSTROPHE = r"'"  # don't -> dont (one token)
 # IMDB keeps the site's line breaks as HTML (lowercased first); the other punctuation separates words.

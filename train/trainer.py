@@ -55,6 +55,7 @@ from common.run_dir import (
 )
 from common.vectorizer import (
     VOCABULARY_FILE,
+    VOCABULARY_PASSES,
     TfIdf,
     VectorizerSettings,
     build_vocabulary,
@@ -212,9 +213,8 @@ def _prepare_vocabulary(config: TrainConfig, run_dir: Path, train: Split, resumi
             )
         return vectorizer, saved
     multiple = math.lcm(8, meshlib.dim_size(mesh, FEATURE))
-    # build_vocabulary reads the texts twice (counting, then the kept n-grams' strings)
-    bar = progress_bar(config.progress and config.client_id == 0, 2 * len(train.texts), "vocabulary, 2 passes",
-                       "review")
+    bar = progress_bar(config.progress and config.client_id == 0, VOCABULARY_PASSES * len(train.texts),
+                       f"vocabulary, {VOCABULARY_PASSES} passes", "review")
     vectorizer = build_vocabulary(train.texts, config.max_tokens, settings, labels=train.labels, multiple=multiple,
                                   progress=bar.update if bar is not None else None)
     if bar is not None:
