@@ -81,9 +81,16 @@ class ServeConfig:
     body_timeout_s: float = option(30.0, "seconds a client has to send a request's body (else 408; over gRPC, "
                                          "its message after its headers, else DEADLINE_EXCEEDED)",
                                    flag="--body-timeout", metavar="SECONDS")
-    keepalive_timeout_s: float = option(30.0, "seconds an idle keep-alive connection stays open",
+    keepalive_timeout_s: float = option(30.0, "seconds an idle connection stays open (REST: between requests; "
+                                              "gRPC: without a call, then GOAWAY, after which clients reconnect)",
                                         flag="--keepalive-timeout", metavar="SECONDS")
-    max_header_bytes: int = option(65536, "largest request line plus headers (else 431)")
+    send_timeout_s: float = option(30.0, "seconds an answer may wait for a client that does not read it (its "
+                                         "socket, or its gRPC flow-control window, left shut) before the "
+                                         "connection is closed", flag="--send-timeout", metavar="SECONDS")
+    max_header_bytes: int = option(65536, "largest request line plus headers on the REST port (else 431)")
+    grpc_max_header_bytes: int = option(
+        16384, "largest request header list (metadata) on the gRPC port; past it RESOURCE_EXHAUSTED and the "
+               "connection is retired (gRPC metadata is small, and every header block costs HPACK decoding)")
 
     version_policy: VersionPolicy = option(
         "latest", "latest: serve the newest version; all: every version on disk; specific: --versions"
@@ -146,13 +153,14 @@ class ServeConfig:
         if self.workers < 0:
             raise ValueError(f"--workers {self.workers}: must be 0 (one per CPU) or more")
         for name in ("max_batch_size", "max_queued_rows", "num_batch_threads", "max_body_bytes",
-                     "max_rows_per_request", "max_text_bytes", "max_connections", "max_header_bytes"):
+                     "max_rows_per_request", "max_text_bytes", "max_connections", "max_header_bytes",
+                     "grpc_max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be at least 1")
         for name in ("batch_timeout_s", "poll_interval_s", "drain_delay_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must not be negative")
-        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be positive")
         if self.overload_status not in (429, 503):

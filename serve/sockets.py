@@ -30,6 +30,8 @@ MAX_ACCEPTS_PER_WAKE = 32
 """Most connections one wake-up takes while this worker is still the least loaded: a busy worker
 that fell behind catches up in one event-loop turn instead of one connection per turn (256 new
 connections took over a second to spread over two busy workers that way)."""
+REBALANCE_SLACK = 1
+"""Connections a worker may hold beyond an even share before it sheds the rest (`AcceptGate.excess`)."""
 
 
 class StartupError(RuntimeError):
@@ -100,6 +102,20 @@ class AcceptGate:
         """Tell the siblings this worker's load (after a connection opened or closed)."""
         if self.loads is not None and self._accepting:
             self.loads[self.index] = self.load()
+
+    def excess(self, own: int) -> int:
+        """How many of this worker's `own` connections are beyond an even share with the siblings
+        that accept now (0 for a single worker). Keep-alive connections stay where they land, so a
+        burst that came while a sibling was still joining the port would stay on one worker: the
+        port sheds the excess (REST: Connection: close on the next answer; gRPC: GOAWAY), and the
+        clients' new connections land on the sibling."""
+        if self.loads is None or not self._accepting:
+            return 0
+        others = [load for i, load in enumerate(self.loads) if i != self.index and load >= 0]
+        if not others:
+            return 0
+        share = -(-(own + sum(others)) // (len(others) + 1))
+        return max(0, own - share - REBALANCE_SLACK)
 
     def _my_turn(self) -> bool:
         if self.loads is None:

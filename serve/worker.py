@@ -1,6 +1,6 @@
 """Run the server: the REST port (this project's HTTP/1.1 protocol on uvloop + httptools) and gRPC
-(its HTTP/2 protocol, `serve.grpc.http2`), one event loop and one core per process; `--workers N` runs N such processes on the
-same ports.
+(its sans-IO HTTP/2 machine, `serve.http2`), one event loop and one core per process; `--workers N`
+runs N such processes on the same ports.
 
 Shutdown on SIGTERM or SIGINT: readiness turns false and every answer carries `Connection: close`;
 after `--drain-delay` the listening sockets close (the connections already in their queues are
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import importlib
 import logging
@@ -27,8 +28,8 @@ from serve.core.dataplane import ServingCore
 from serve.core.metrics import PeerMetrics
 from serve.core.model_config_file import ModelConfigError, config_sources, file_fingerprint, read_model_config
 from serve.http.app import create_app
-from serve.http.connection import ConnectionLimits
-from serve.http.rest_server import RestServer
+from serve.host import ConnectionHost, PortLimits
+from serve.http.server import RestServer
 from serve.sockets import AcceptGate
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,9 @@ class _Worker:
         self.core = ServingCore(config, config_sources(config))
         if peer_dir is not None and index is not None:
             self.core.peers = PeerMetrics(self.core.metrics, peer_dir, index, config.workers)
-        self.limits = ConnectionLimits(
-            max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
-            body_timeout_s=config.body_timeout_s, keepalive_timeout_s=config.keepalive_timeout_s,
-            max_header_bytes=config.max_header_bytes, max_body_bytes=config.max_body_bytes,
-        )
-        self.rest = RestServer(create_app(config, self.core), self.limits)
+        self.rest_host = ConnectionHost("REST", PortLimits.of(config),
+                                        report=functools.partial(self.core.metrics.connection_event, "rest"))
+        self.rest = RestServer(create_app(config, self.core), self.rest_host)
         self.gate: AcceptGate | None = None
         self.stop_rest = asyncio.Event()
         self.abandoned = 0
@@ -76,8 +74,10 @@ class _Worker:
     def on_signal(self, signum: int) -> None:
         if self.draining:
             log.warning("second %s: stopping now", signal.Signals(signum).name)
-            self.rest.force_exit = True
+            self.rest_host.force_exit = True
             self.stop_rest.set()
+            if self.grpc_server is not None:
+                self.grpc_server.host.force_exit = True
             self._close_grpc(0)
             return
         self.draining = True
@@ -85,7 +85,7 @@ class _Worker:
         log.info("received %s: draining (%sup to %gs for requests in progress)", signal.Signals(signum).name,
                  f"ports open {delay:g}s more, then " if delay else "", self.config.drain_timeout_s)
         self.core.begin_drain()  # readiness fails from now on
-        self.rest.begin_drain()  # every answer from now on: Connection: close
+        self.rest_host.begin_drain()  # every answer from now on: Connection: close
         asyncio.get_running_loop().call_later(delay, self._close_ports)
 
     def _close_ports(self) -> None:
@@ -106,6 +106,10 @@ class _Worker:
         # TensorFlow is imported once, here, before the model loaders and the gRPC edge need it: two
         # threads importing it at the same time deadlock in its module locks.
         tf = await asyncio.to_thread(importlib.import_module, "tensorflow")
+        # The gRPC edge's modules (protos, stubs) are imported off the loop too: imported on it once
+        # the REST port was open, they held this worker's loop while a burst of new connections
+        # waited for it, and its sibling took them all.
+        grpc_server = await asyncio.to_thread(importlib.import_module, "serve.grpc.server") if self.grpc_sock else None
         if self.index is not None:
             # One of several workers: each takes its share of the CPUs for the model's thread pools,
             # instead of every worker's pools spanning all of them (and fighting over them).
@@ -122,11 +126,9 @@ class _Worker:
             serving = self._serve_rest()
         else:
             self._freezing = asyncio.ensure_future(self._freeze_when_ready())  # kept: a task nobody holds may vanish
-        if self.grpc_sock is not None and not self.draining:
-            from serve.grpc.server import GrpcServer
-
-            self.grpc_server = await GrpcServer(self.config, self.core, self.grpc_sock, loads=self.grpc_loads,
-                                                index=self.index or 0).start()
+        if grpc_server is not None and not self.draining:
+            self.grpc_server = await grpc_server.GrpcServer(self.config, self.core, self.grpc_sock,
+                                                            loads=self.grpc_loads, index=self.index or 0).start()
         return serving
 
     async def _wait_ready(self, timeout_s: float) -> None:
@@ -142,9 +144,10 @@ class _Worker:
     def _serve_rest(self) -> asyncio.Future:
         host, port = self.sock.getsockname()[:2]
         log.info("serving %s on http://%s:%d (REST)", _describe(self.core), host, port)
-        self.gate = AcceptGate(self.sock, self.rest.protocol_factory, lambda: self.limits.open,
+        self.gate = AcceptGate(self.sock, self.rest.protocol_factory, lambda: self.rest_host.open,
                                loads=self.loads, index=self.index or 0)
-        self.limits.on_open_change = self.gate.publish
+        self.rest_host.on_change = self.gate.publish
+        self.rest_host.excess = self.gate.excess
         self.rest.start()
         self.gate.start()
         return asyncio.ensure_future(self._run_rest())
@@ -159,7 +162,7 @@ class _Worker:
         if self.grpc_stopped is not None:
             abandoned += await self.grpc_stopped
         await self.core.close()
-        received, answered = self.limits.received, self.limits.answered
+        received, answered = self.rest_host.received, self.rest_host.answered
         if abandoned:
             log.error("drain timeout (%gs): %d request(s) abandoned; %d received, %d answered",
                       self.config.drain_timeout_s, abandoned, received, answered)

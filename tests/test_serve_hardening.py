@@ -80,6 +80,11 @@ def server(model_base, tmp_path_factory):
     # its headers are read, which may be before the body has come in).
     (f"POST {PREDICT} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
      + (b"3e8\r\n" + b"x" * 1000 + b"\r\n") * 101, 413, "request body larger than the limit of 100000 bytes"),
+    (request_bytes(extra="Transfer-Encoding: gzip, chunked\r\n").replace(b"Content-Length: ", b"X-Length: "), 501,
+     "Transfer-Encoding 'gzip, chunked' is not implemented: send the body with Content-Length or"),
+    (request_bytes().replace(b"Host: x\r\n", b""), 400, "a request needs exactly one Host header"),
+    (request_bytes(extra="Host: y\r\n"), 400, "a request needs exactly one Host header"),
+    (request_bytes(path="/v1/models/" + "m" * 70_000), 414, "request target longer than the limit of 8192 bytes"),
     (request_bytes(method="PUT"), 405, f"Method Not Allowed: PUT {PREDICT} (allowed: POST)"),
     (request_bytes(method="GET", path="/nope", body=b""), 404, "Not Found: no route for GET /nope"),
     (request_bytes(method="GET", path="//healthz", body=b""), 404, "Not Found: no route for GET //healthz"),
@@ -88,6 +93,38 @@ def test_every_error_body_is_json(server, data, status, error):
     got, headers, body = exchange(server.port, data)
     assert got == status and headers["content-type"] == "application/json", (got, headers, body)
     assert json.loads(body)["error"].startswith(error)
+
+
+@pytest.mark.parametrize("first", [
+    request_bytes(extra="Connection: close\r\n"),
+    request_bytes().replace(b"HTTP/1.1", b"HTTP/1.0"),
+])
+def test_a_request_that_closes_the_connection_is_answered_whatever_follows_it(server, first):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(first + b"GARBAGE AFTER THE REQUEST\r\n\r\n")  # one segment
+        status, headers, body = read_response(sock)
+        assert status == 200 and headers["connection"] == "close" and "predictions" in json.loads(body)
+        assert sock.recv(65536) == b""  # then closed, neither reset nor a second answer
+
+
+def test_an_http10_keep_alive_answer_says_so_and_the_connection_goes_on(server):
+    request = f"GET /v1/models/{MODEL_NAME} HTTP/1.0\r\nConnection: keep-alive\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        for _ in range(2):
+            sock.sendall(request)
+            status, headers, _ = read_response(sock)
+            assert status == 200 and headers["connection"] == "keep-alive"
+        sock.sendall(request.replace(b"Connection: keep-alive\r\n", b""))  # HTTP/1.0's default: close
+        status, headers, _ = read_response(sock)
+        assert status == 200 and headers["connection"] == "close" and sock.recv(10) == b""
+
+
+def test_json_answers_list_their_members_in_one_order(server):
+    orders = set()
+    for _ in range(20):
+        answer = requests.post(f"{server.url}{PREDICT}", data=BODY, timeout=10).json()
+        orders.add(tuple(answer["predictions"][0]))
+    assert len(orders) == 1 and list(orders.pop()) == sorted(answer["predictions"][0])
 
 
 def test_head_answers_like_get_without_a_body(server):

@@ -22,7 +22,7 @@ from serve.core.dataplane import validate_inputs
 from serve.core.loaded_model import Signature, TensorInfo
 from serve.core.model_versions import ModelSource, select_versions
 from serve.http.routing import HTTP_STATUS, dumps, error_response
-from serve.http.v1_codec import (
+from serve.http.tf_serving_codec import (
     format_classify,
     format_predict,
     parse_classify,

@@ -64,6 +64,11 @@ class Metrics:
         self.live_versions = Gauge(
             "serve_model_versions_live", "Number of loaded, warm versions.", ["model"], registry=r,
         )
+        self.connection_events = Counter(
+            "serve_connection_events", "Connections refused, evicted or closed by the server and client protocol "
+            "errors, by port and kind (refused, evicted, idle_closed, malformed, unimplemented, enhance_your_calm...).",
+            ["port", "event"], registry=r,
+        )
         self.in_flight = 0
         """Requests being handled (a plain counter, read by the gauge when scraped)."""
         Gauge("serve_in_flight_requests", "Requests being handled.", registry=r).set_function(lambda: self.in_flight)
@@ -77,6 +82,12 @@ class Metrics:
                 self.requests.labels(route, code), self.latency.labels(route))
         children[0].inc()
         children[1].observe(seconds)
+
+    def connection_event(self, port: str, event: str) -> None:
+        children = self._children.get((port, event, None))
+        if children is None:
+            children = self._children[(port, event, None)] = (self.connection_events.labels(port, event),)
+        children[0].inc()
 
     def observe_batch(self, model: str, rows: int, requests: int, seconds: float) -> None:
         self.batch_size.labels(model).observe(rows)

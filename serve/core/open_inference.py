@@ -1,5 +1,5 @@
 """The Open Inference Protocol's (KServe V2) tensors, for both of its edges (REST in
-`serve.http.v2_endpoints`, gRPC in `serve.grpc.open_inference`): datatypes, the checks of an input's
+`serve.http.v2`, gRPC in `serve.grpc.v2`): datatypes, the checks of an input's
 declared name, datatype and shape, and the raw byte encoding both carry (elements little-endian;
 a BYTES element is a 4-byte little-endian length, then its bytes).
 

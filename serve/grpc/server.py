@@ -1,5 +1,5 @@
-"""The gRPC port of one worker: its connections (`serve.grpc.http2`), the methods they call
-(`serve.grpc.servicer`), and the drain.
+"""The gRPC port of one worker: its method table (`tf_serving`, `v2`, `health`), its connections
+(`serve.grpc.connection`, kept by a `serve.host.ConnectionHost`) and the drain.
 
 The listening socket is bound once by `python -m serve` (as the REST one); with `--workers N`
 every worker accepts from it through an `AcceptGate`, so gRPC connections, which clients keep
@@ -12,19 +12,29 @@ for as long as they run, spread over the workers as evenly as REST's.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import socket
 
 from serve.config import ServeConfig
 from serve.core.dataplane import ServingCore
-from serve.grpc.http2 import GrpcConnection, GrpcLimits, Method
-from serve.grpc.servicer import HEALTH_FAREWELL_S, GrpcApi, Health
+from serve.grpc.connection import GrpcConnection, GrpcService
+from serve.grpc.health import HEALTH_FAREWELL_S, Health
+from serve.grpc.tf_serving import GrpcApi
+from serve.host import ConnectionHost, PortLimits
+from serve.http2.machine import Limits
 from serve.sockets import AcceptGate
 
 log = logging.getLogger(__name__)
 
-DRAIN_POLL_S = 0.02
+STREAM_WINDOW = 1 << 20
+"""Each call's receive window; a message larger than it is credited as it arrives."""
+
+
+def http2_limits(config: ServeConfig) -> Limits:
+    """The HTTP/2 limits of the gRPC port: room for two largest messages in the connection window."""
+    return Limits(stream_window=STREAM_WINDOW, connection_window=max(2 * (config.max_body_bytes + 5), STREAM_WINDOW),
+                  max_header_list_bytes=config.grpc_max_header_bytes)
 
 
 class GrpcServer:
@@ -34,33 +44,19 @@ class GrpcServer:
     def __init__(self, config: ServeConfig, core: ServingCore, sock: socket.socket, *,
                  loads=None, index: int = 0) -> None:  # noqa: ANN001 - a multiprocessing.Array of int
         self.config = config
-        self.core = core
-        self.sock = sock
-        self.loop = asyncio.get_running_loop()
-        self.api = GrpcApi(config, core)
         self.health = Health(core)
-        self.methods: dict[str, Method] = {**self.health.methods(), **self.api.methods()}
-        self.limits = GrpcLimits(max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
-                                 max_header_bytes=config.max_header_bytes, max_message_bytes=config.max_body_bytes,
-                                 body_timeout_s=config.body_timeout_s)
-        self.connections: set[GrpcConnection] = set()
-        self.tasks: set[asyncio.Task] = set()
-        """Calls being answered (each a task running its method)."""
-        self.gate = AcceptGate(sock, self.protocol_factory, lambda: self.limits.open, loads=loads, index=index)
+        methods = {**self.health.methods(), **GrpcApi(config, core).methods()}
+        self.host = ConnectionHost("gRPC", PortLimits.of(config, grpc=True),
+                                   report=functools.partial(core.metrics.connection_event, "grpc"))
+        service = GrpcService(methods, http2_limits(config), config.max_body_bytes, config.grpc_max_header_bytes)
+        self.gate = AcceptGate(sock, functools.partial(GrpcConnection, self.host, service), lambda: self.host.open,
+                               loads=loads, index=index)
+        self.host.on_change = self.gate.publish
+        self.host.excess = self.gate.excess
         self.port = sock.getsockname()[1]
 
-    def protocol_factory(self) -> GrpcConnection:
-        return GrpcConnection(self)
-
-    def publish(self) -> None:
-        """A connection opened or closed: tell the sibling workers."""
-        self.gate.publish()
-
-    def track(self, task: asyncio.Task) -> None:
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
     async def start(self) -> "GrpcServer":
+        self.host.start()
         self.gate.start()
         log.info("gRPC on %s:%d (PredictionService, ModelService, GRPCInferenceService, Health)",
                  self.config.host, self.port)
@@ -71,18 +67,7 @@ class GrpcServer:
         it are taken first), every connection gets GOAWAY, calls in progress finish for up to
         `grace_s`; returns how many had to be abandoned."""
         await self.health.close(min(grace_s, HEALTH_FAREWELL_S))
-        await self.gate.close()
-        for connection in list(self.connections):
-            connection.goaway()
-        deadline = self.loop.time() + grace_s
-        while (self.tasks or self.connections) and self.loop.time() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-        abandoned = len(self.tasks)
-        for task in list(self.tasks):
-            task.cancel()
-        for connection in list(self.connections):
-            connection.transport.close()
-        return abandoned
+        return await self.host.drain(self.gate, grace_s)
 
 
-__all__ = ["GrpcServer"]
+__all__ = ["GrpcServer", "http2_limits"]

@@ -28,15 +28,12 @@ import http
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Protocol
 
 import httptools
 
-from serve.http.routing import RETRY_AFTER_S, Request, Response, error_body
-
-if TYPE_CHECKING:
-    from serve.http.rest_server import RestServer
+from serve.host import ConnectionHost
+from serve.http.routing import RETRY_AFTER_S, App, Request, Response, error_body
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +44,6 @@ DRAIN_IDLE_S = 1.0
 connection whose client is sending at that moment loses the request (the client sees a reset): a
 client that keeps sending sends well within this, one that stopped is not sending now."""
 MAX_HEADERS = 256
-EVICT_AFTER_S = 1.0
-"""At the connection limit, a connection waiting this long without a complete request (an idle
-keep-alive one, or a slow client still sending headers) is closed to make room for a new one."""
 MAX_PIPELINED = 16
 """Complete requests a connection may have waiting behind the one being answered; past this it is
 not read until the queue shrinks."""
@@ -58,45 +52,25 @@ STATUS_LINES = {int(s): f"HTTP/1.1 {int(s)} {s.phrase}\r\n".encode() for s in ht
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 _IDLE, _HEADERS, _BODY, _WAITING = range(4)
+_CLOSE, _KEEP_ALIVE, _KEEP_ALIVE_10 = range(3)
+"""How an answer ends: the connection closes, or stays open (HTTP/1.0 asks for it to be said)."""
+_ENDINGS = (b"connection: close\r\n\r\n", b"\r\n", b"connection: keep-alive\r\n\r\n")
 
 
-@dataclass
-class ConnectionLimits:
-    """Limits and counters shared by every connection of one server (one worker process)."""
-
-    max_connections: int
-    header_timeout_s: float
-    body_timeout_s: float
-    keepalive_timeout_s: float
-    max_header_bytes: int
-    max_body_bytes: int
-    open: int = 0
-    """Accepted connections now open (refused ones are not counted)."""
-    waiting: dict = field(default_factory=dict)
-    """Open connections without a request in progress (idle keep-alive, or headers still coming),
-    oldest first, with the loop time they started waiting: who makes room for a new connection."""
-    received: int = 0
-    """Requests whose headers were read and handed to the application."""
-    answered: int = 0
-    refused: int = 0
-    draining: bool = False
-    on_open_change: Callable[[], None] | None = None
-    """Called after `open` changed (the worker's AcceptGate tells the sibling workers)."""
-
-    def count(self, delta: int) -> None:
-        self.open += delta
-        if self.on_open_change is not None:
-            self.on_open_change()
+class DateHeader(Protocol):
+    header: bytes
+    """`date: ...\\r\\n` for the answers (RFC 9110 asks an origin server for it), kept current by the port."""
 
 
 class HttpConnection(asyncio.Protocol):
-    """One client connection; made by `RestServer.protocol_factory` for each accepted socket."""
+    """One client connection; made by the port (`serve.http.server.RestServer`) for each accepted socket."""
 
-    def __init__(self, server: "RestServer") -> None:
-        self.server = server
-        self.app = server.app
-        self.limits: ConnectionLimits = server.limits
-        self.loop = server.loop
+    def __init__(self, host: ConnectionHost, app: App, date: DateHeader) -> None:
+        self.host = host
+        self.app = app
+        self.date = date
+        self.limits = host.limits
+        self.loop = host.loop
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.client: tuple[str, int] | None = None
@@ -104,26 +78,37 @@ class HttpConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_state = _IDLE
         """The state `_timer` guards: it fires only if the connection is still in it."""
-        self._counted = False
         self._refused = False
         self._closed = False
         self._header_bytes = 0
         """Bytes received since the current request began, while its headers are incomplete."""
         self._too_many_headers = False
+        self._uri_too_long = False
+        self._last_keep_alive = True
+        """Whether the last request whose headers were read lets the connection go on."""
+        self._discarding = False
+        """Bytes after a request that closes the connection are not read (its answer still goes out)."""
         self._header_count = 0
         self._header_size = 0
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._content_length: int | None = None
         self._chunked = False
+        self._codings: bytes | None = None
+        """A Transfer-Encoding other than chunked alone (answered 501)."""
+        self._hosts = 0
         self._receiving: Request | None = None
         """The request whose body the parser is reading."""
         self._current: Request | None = None
         """The request being answered (its handler runs, or its answer waits for its body to end)."""
-        self._current_keep_alive = True
+        self._current_mode = _KEEP_ALIVE
         self._current_done = False
-        self._pipeline: collections.deque[tuple[Request, bool]] = collections.deque()
+        self._pipeline: collections.deque[tuple[Request, int]] = collections.deque()
+        """Requests waiting behind the current one, each with how its answer ends (`_answer_mode`)."""
         self._write_paused = False
+        self._write_paused_at = 0.0
+        self._shed = False
+        """Set by the port to move this connection to another worker: its next answer closes it."""
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -131,28 +116,19 @@ class HttpConnection(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) and len(peer) >= 2 else None
-        self.server.connections.add(self)
-        limits = self.limits
-        if limits.open >= limits.max_connections:
-            self._evict_a_waiting_connection()
-        if limits.open >= limits.max_connections:
-            limits.refused += 1
-            self._refuse(503, f"server busy: {limits.open} connections open (limit {limits.max_connections}); "
+        host, limits = self.host, self.limits
+        if not host.admit(self):
+            self._refuse(503, f"server busy: {host.open} connections open (limit {limits.max_connections}); "
                               "retry later", retry=True)
             return
-        limits.count(+1)
-        self._counted = True
-        limits.waiting[self] = self.loop.time()
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # an answer is one write: send it now
-        self._arm(_IDLE, limits.keepalive_timeout_s)  # the first request must begin in time
+        self._arm(_IDLE, limits.idle_timeout_s)  # the first request must begin in time
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        self._release()
-        self.limits.waiting.pop(self, None)
-        self.server.connections.discard(self)
+        self.host.lost(self)
         self._disarm()
         for request in (self._receiving, self._current):
             if request is not None:
@@ -164,6 +140,7 @@ class HttpConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self._write_paused_at = self.loop.time()
 
     def resume_writing(self) -> None:
         self._write_paused = False
@@ -171,7 +148,7 @@ class HttpConnection(asyncio.Protocol):
             self._start_next()
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._refused or self._discarding:
             return  # lingering close: read and discard
         if self._timer is not None and self._timer_state == _IDLE:
             self._disarm()
@@ -184,7 +161,12 @@ class HttpConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             if self._refused:
                 return
-            if self._too_many_headers:
+            if not self._last_keep_alive and self._state in (_IDLE, _WAITING):
+                self._discarding = True  # more after `Connection: close` (or HTTP/1.0): answer, then close
+                return
+            if self._uri_too_long:
+                self._refuse(414, f"request target longer than the limit of {self.limits.max_header_bytes} bytes")
+            elif self._too_many_headers:
                 if self._header_count > MAX_HEADERS:
                     self._refuse(431, f"more than {MAX_HEADERS} request headers")
                 else:
@@ -214,13 +196,15 @@ class HttpConnection(asyncio.Protocol):
         self._header_size = 0
         self._content_length = None
         self._chunked = False
+        self._codings = None
+        self._hosts = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
         self._header_size += len(url)
         if self._header_size > self.limits.max_header_bytes:
-            self._too_many_headers = True
-            raise ValueError("request line too long")  # stops the parser; data_received answers 431
+            self._uri_too_long = True
+            raise ValueError("request target too long")  # stops the parser; data_received answers 414
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
@@ -231,8 +215,13 @@ class HttpConnection(asyncio.Protocol):
         name = name.lower()
         if name == b"content-length":
             self._content_length = int(value) if value.isdigit() else None
-        elif name == b"transfer-encoding" and b"chunked" in value.lower():
-            self._chunked = True
+        elif name == b"transfer-encoding":
+            codings = value.lower()
+            self._chunked = b"chunked" in codings
+            if codings.strip() != b"chunked":
+                self._codings = value
+        elif name == b"host":
+            self._hosts += 1
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -244,25 +233,35 @@ class HttpConnection(asyncio.Protocol):
         if length is not None and length > limits.max_body_bytes:
             self._refuse(413, f"request body larger than the limit of {limits.max_body_bytes} bytes")
             raise ValueError("body too large")  # stops the parser
-        limits.received += 1
-        limits.waiting.pop(self, None)
+        http10 = self.parser.get_http_version() == "1.0"
+        if self._hosts > 1 or (self._hosts == 0 and not http10):
+            self._refuse(400, "a request needs exactly one Host header (RFC 9112 3.2)")
+            raise ValueError("bad Host")
+        if self._codings is not None:
+            self._refuse(501, f"Transfer-Encoding {self._codings.decode('latin-1')!r} is not implemented: send the "
+                              "body with Content-Length or Transfer-Encoding: chunked alone")
+            raise ValueError("unknown coding")
+        self.host.received += 1
+        self.host.set_busy(self)
         raw_path, query = _split_target(self._url)
         request = Request(self.parser.get_method().decode("ascii"), raw_path, self._headers,
                           max_body=limits.max_body_bytes, query=query, client=self.client)
         keep_alive = self.parser.should_keep_alive()
+        self._last_keep_alive = keep_alive
+        mode = (_KEEP_ALIVE_10 if http10 else _KEEP_ALIVE) if keep_alive else _CLOSE
         has_body = self._chunked or bool(length)
         if has_body:
             self._receiving = request
             self._state = _BODY
-            if self.parser.get_http_version() == "1.1" and request.header(b"expect") == "100-continue":
+            if not http10 and request.header(b"expect") == "100-continue":
                 request._on_wait = self._send_continue
         else:
             request.finish()
             self._state = _WAITING
         if self._current is None:
-            self._start(request, keep_alive)
+            self._start(request, mode)
         else:
-            self._pipeline.append((request, keep_alive))
+            self._pipeline.append((request, mode))
             if len(self._pipeline) >= MAX_PIPELINED:
                 self.transport.pause_reading()
 
@@ -290,42 +289,42 @@ class HttpConnection(asyncio.Protocol):
 
     # -- answering -------------------------------------------------------------------------------
 
-    def _start(self, request: Request, keep_alive: bool) -> None:
+    def _start(self, request: Request, mode: int) -> None:
         self._current = request
-        self._current_keep_alive = keep_alive
+        self._current_mode = mode
         self._current_done = False
         task = self.loop.create_task(self._answer(request, time.perf_counter()))
-        self.server.track(task)
+        self.host.track(task)
 
     def _start_next(self) -> None:
-        request, keep_alive = self._pipeline.popleft()
+        request, mode = self._pipeline.popleft()
         if len(self._pipeline) < MAX_PIPELINED and not self._closed:
             self.transport.resume_reading()
-        self._start(request, keep_alive)
+        self._start(request, mode)
 
     async def _answer(self, request: Request, start: float) -> None:
         response = await self.app(request)
         if response is None or self._closed or self._refused:
             return
-        keep_alive = self._current_keep_alive and not self.limits.draining  # draining: Connection: close
-        self._write(response, request.head, keep_alive)
-        self.limits.answered += 1
+        mode = _CLOSE if self.host.draining or self._shed else self._current_mode
+        self._write(response, request.head, mode)
+        self.host.answered += 1
         self.app.answered(request, response.status, time.perf_counter() - start)
-        if not keep_alive:
-            self.transport.close()
+        if mode == _CLOSE:
+            self._close_after_answer()
             return
         self._current_done = True
         if self._receiving is not request:  # its body has ended: the connection is free
             self._finish_current()
 
-    def _write(self, response: Response, head_only: bool, keep_alive: bool) -> None:
+    def _write(self, response: Response, head_only: bool, mode: int) -> None:
         body = response.body
         parts = [STATUS_LINES.get(response.status) or f"HTTP/1.1 {response.status} \r\n".encode(),
-                 self.server.date_header, b"content-type: ", response.content_type, b"\r\ncontent-length: ",
+                 self.date.header, b"content-type: ", response.content_type, b"\r\ncontent-length: ",
                  str(len(body)).encode(), b"\r\n"]
         for name, value in response.headers:
             parts += [name, b": ", value, b"\r\n"]
-        parts.append(b"\r\n" if keep_alive else b"connection: close\r\n\r\n")
+        parts.append(_ENDINGS[mode])
         if not head_only:
             parts.append(body)
         self.transport.write(b"".join(parts))
@@ -339,38 +338,55 @@ class HttpConnection(asyncio.Protocol):
             return
         if self._state in (_WAITING, _IDLE) and self._receiving is None:
             self._state = _IDLE
-            if self._counted:
-                self.limits.waiting[self] = self.loop.time()
-            self._arm(_IDLE, self.limits.keepalive_timeout_s)
+            self.host.set_idle(self)
+            self._arm(_IDLE, self.limits.idle_timeout_s)
+
+    def _close_after_answer(self) -> None:
+        if not self._discarding:
+            self.transport.close()
+            return
+        # Unread bytes wait in the socket: closing it now would reset the connection and could
+        # take the answer with it. Our side ends; what comes is discarded until the client closes.
+        self._release()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.transport.resume_reading()
+        self._timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     def _send_continue(self) -> None:
         if not self._closed and not self._refused:
             self.transport.write(CONTINUE)
 
-    # -- room at the connection limit ------------------------------------------------------------
+    # -- what the port asks (serve.host.Hosted) --------------------------------------------------
 
-    def _evict_a_waiting_connection(self) -> None:
-        """Make room by closing the connection that has waited longest without sending a complete
-        request, if it has waited at least EVICT_AFTER_S (so a flood of new connections, whose
-        requests may not have been read yet, is answered 503 rather than cut off)."""
-        waiting = self.limits.waiting
-        if not waiting:
-            return
-        oldest, since = next(iter(waiting.items()))
-        if self.loop.time() - since < EVICT_AFTER_S:
-            return
-        waiting.pop(oldest)
-        oldest._release()
-        if oldest._state == _HEADERS:
-            oldest._refuse(408, "request headers not received in time (the server needed the connection)")
+    def evict(self) -> None:
+        """Make room at the connection limit (the host picks the connection idle longest, at least
+        EVICT_AFTER_S): one still sending its headers gets a 408, an idle one is closed."""
+        if self._state == _HEADERS:
+            self._refuse(408, "request headers not received in time (the server needed the connection)")
         else:
-            oldest.transport.close()
+            self.transport.close()
 
     def _release(self) -> None:
         """Stop counting this connection against the limit (it is being closed)."""
-        if self._counted:
-            self.limits.count(-1)
-            self._counted = False
+        self.host.release(self)
+
+    def drain(self) -> None:
+        """Nothing to do at once: every answer from now on carries Connection: close (`host.draining`)."""
+
+    def tick(self, now: float) -> None:
+        """A client that leaves an answer unread for send_timeout_s is cut off."""
+        if self._write_paused and now - self._write_paused_at > self.limits.send_timeout_s:
+            self.host.report("send_timeout")
+            self.host.warn("send_timeout", "%s: answer not read for %gs (--send-timeout): closed",
+                           "%s:%d" % self.client if self.client else "client", self.limits.send_timeout_s)
+            self.transport.abort()
+
+    def shed(self) -> None:
+        self._shed = True  # the next answer carries Connection: close
+
+    def abort(self) -> None:
+        self.transport.abort()
 
     # -- timers ----------------------------------------------------------------------------------
 
@@ -403,7 +419,6 @@ class HttpConnection(asyncio.Protocol):
         self._refused = True
         self._disarm()
         self._release()  # a lingering connection does not count against the limit
-        self.limits.waiting.pop(self, None)
         for request in (self._receiving, self._current):
             if request is not None:
                 request.disconnect()
@@ -411,7 +426,7 @@ class HttpConnection(asyncio.Protocol):
         if self.transport.is_closing():
             return
         body = error_body(message)
-        head = [STATUS_LINES[status], self.server.date_header,
+        head = [STATUS_LINES[status], self.date.header,
                 b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
         if retry:
             head += [b"retry-after: ", str(RETRY_AFTER_S).encode(), b"\r\n"]
@@ -426,7 +441,7 @@ class HttpConnection(asyncio.Protocol):
 
     def close_if_idle(self, now: float) -> None:
         """Close this connection if it has waited DRAIN_IDLE_S for a request that has not begun."""
-        since = self.limits.waiting.get(self)
+        since = self.host.idle.get(self)
         if (since is not None and now - since >= DRAIN_IDLE_S and self._state == _IDLE and self._current is None
                 and not self._refused and not self.transport.is_closing()):
             self.transport.close()
@@ -445,4 +460,4 @@ def _split_target(url: bytes) -> tuple[str, bytes]:
     return path.decode("latin-1"), query
 
 
-__all__ = ["ConnectionLimits", "HttpConnection", "STATUS_LINES"]
+__all__ = ["DateHeader", "HttpConnection", "STATUS_LINES"]

@@ -1,27 +1,26 @@
-"""The gRPC edge's methods: TF Serving's `PredictionService` and `ModelService`, the Open
-Inference Protocol's `inference.GRPCInferenceService` (`serve.grpc.open_inference`) and the
-standard `grpc.health.v1.Health`, sharing the core with the REST edge.
+"""TF Serving's gRPC services on the gRPC port: `PredictionService` (Predict, Classify, Regress,
+GetModelMetadata) and `ModelService` (GetModelStatus, HandleReloadConfigRequest), sharing the core
+with the REST edge; `GrpcApi.methods` is the port's whole table, V2's `inference.GRPCInferenceService`
+(`serve.grpc.v2`) included.
 
-Clients use the stubs of `tensorflow-serving-api` unchanged (`PredictionServiceStub.Predict`,
-`Classify`, `GetModelMetadata`; `ModelServiceStub.GetModelStatus`, `HandleReloadConfigRequest`).
-Handlers run on the same event loop, core, batcher and model versions as the REST edge; they
-decode protos into plain values, the core validates, and neutral errors become the gRPC status
-of the same name. The transport (`serve.grpc.http2`) calls each method with the request's bytes
-and a `Call` (its deadline) and sends the bytes it returns, or the status of the `RpcError` it raises.
+Clients use the stubs of `tensorflow-serving-api` unchanged. Handlers run on the same event loop,
+core, batcher and model versions as the REST edge; they decode protos into plain values, the core
+validates, and neutral errors become the gRPC status of the same name. The connection
+(`serve.grpc.connection`) calls each method with the request's bytes and its call (the deadline)
+and sends the bytes it returns, or the status of the `RpcError` it raises.
 
 Requests are parsed here, so an undecodable message is an INVALID_ARGUMENT with a one-line log;
 tensors are decoded without ever expanding a declared shape (`serve.grpc.tensors.from_tensor_proto`);
-methods this server does not implement (and unknown ones) answer UNIMPLEMENTED with a one-line log
-(the transport does that for every path missing from `GrpcApi.methods`).
+methods this server does not implement (and unknown ones) answer UNIMPLEMENTED (the connection does
+that for every path missing from the table).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from google.protobuf.message import DecodeError
 from tensorflow_serving.apis import (
@@ -45,26 +44,20 @@ from serve.core.dataplane import (
 from serve.core.errors import Code, InvalidArgument, ServingError
 from serve.core.loaded_model import LoadedModel
 from serve.core.model_config_file import ModelConfigError, sources_from_config
-from serve.grpc import open_inference
-from serve.grpc.http2 import Call, Method, RpcError
+from serve.grpc import v2
+from serve.grpc.calls import CallContext, Method, RpcError
 from serve.grpc.tensors import fill_tensor_proto, from_tensor_proto
 
 log = logging.getLogger(__name__)
 
 PREDICTION_SERVICE = "tensorflow.serving.PredictionService"
 MODEL_SERVICE = "tensorflow.serving.ModelService"
-HEALTH_SERVICE = "grpc.health.v1.Health"
-HEALTH_SERVICES = ("", PREDICTION_SERVICE, MODEL_SERVICE, open_inference.SERVICE)
-"""Names the Health service answers for ("" is the whole server, what Kubernetes asks by default)."""
-HEALTH_POLL_S = 0.25
-HEALTH_FAREWELL_S = 1.0
-"""On drain, how long Watch streams get to send their last NOT_SERVING before the server stops."""
 
 _ERROR_CODES = get_model_status_pb2.ModelVersionStatus.DESCRIPTOR.fields_by_name["status"].message_type \
     .fields_by_name["error_code"].enum_type.values_by_name
 _STATES = get_model_status_pb2.ModelVersionStatus.State
 
-Handler = Callable[[Any, Call], Awaitable[Any]]
+Handler = Callable[[Any, CallContext], Awaitable[Any]]
 
 
 class GrpcApi:
@@ -73,14 +66,14 @@ class GrpcApi:
     def __init__(self, config: ServeConfig, core: ServingCore) -> None:
         self.config = config
         self.core = core
-        self.open_inference = open_inference.OpenInferenceGrpc(config, core)
+        self.open_inference = v2.OpenInferenceGrpc(config, core)
 
     def _model(self, spec) -> LoadedModel:
         version = spec.version.value if spec.HasField("version") else None
         return self.core.model(spec.name, version, spec.version_label or None)
 
     @staticmethod
-    def _timeout(context: Call) -> float | None:
+    def _timeout(context: CallContext) -> float | None:
         return context.time_remaining()
 
     # -- PredictionService -------------------------------------------------------------------------
@@ -190,7 +183,7 @@ class GrpcApi:
                 "HandleReloadConfigRequest": ("reload_config", model_management_pb2.ReloadConfigRequest,
                                               self.handle_reload_config),
             },
-            open_inference.SERVICE: self.open_inference.methods(),
+            v2.SERVICE: self.open_inference.methods(),
         }
         return {f"/{service}/{method}": Method(self._unary(route, parse, handler))
                 for service, table in tables.items() for method, (route, parse, handler) in table.items()}
@@ -201,7 +194,7 @@ class GrpcApi:
         metrics = self.core.metrics
         label = f"grpc_{route}"
 
-        async def call(raw: bytes, context: Call) -> bytes:
+        async def call(raw: bytes, context: CallContext) -> bytes:
             start = time.perf_counter()
             metrics.in_flight += 1
             code, message = Code.OK, ""
@@ -257,66 +250,4 @@ def _examples(inp, max_rows: int) -> tuple[list[dict], dict]:  # noqa: ANN001 - 
     return [_model_features(example.features) for example in examples], context
 
 
-class Health:
-    """`grpc.health.v1.Health` answered from the core's readiness (the same answer as /readyz at
-    every moment): SERVING once the models are ready, NOT_SERVING while loading or draining.
-    Requests are parsed here, so undecodable bytes are an INVALID_ARGUMENT like on every other
-    method; Watch streams end with NOT_SERVING when the server drains."""
-
-    def __init__(self, core: ServingCore) -> None:
-        from grpc_health.v1 import health_pb2
-
-        self.core = core
-        self.pb = health_pb2
-        self.closing = asyncio.Event()
-        self.watching = 0
-        """Watch streams open now: on drain each sends NOT_SERVING and ends before the server stops."""
-
-    async def close(self, timeout_s: float) -> None:
-        """NOT_SERVING to every checker and watcher; waits (up to `timeout_s`) until each Watch
-        stream has sent it and ended, so that stopping the server cannot cut the last message off."""
-        self.closing.set()
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self.watching and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
-
-    def _status(self, service: str) -> int:
-        status = self.pb.HealthCheckResponse
-        if service not in HEALTH_SERVICES:
-            return status.SERVICE_UNKNOWN
-        return status.SERVING if self.core.ready and not self.closing.is_set() else status.NOT_SERVING
-
-    def _request(self, raw: bytes):  # noqa: ANN202
-        try:
-            return self.pb.HealthCheckRequest.FromString(raw)
-        except DecodeError:
-            log.info("gRPC health: undecodable request (%d bytes)", len(raw))
-            raise RpcError(Code.INVALID_ARGUMENT, "request is not a valid grpc.health.v1.HealthCheckRequest") from None
-
-    async def check(self, raw: bytes, _context: Call) -> bytes:
-        request = self._request(raw)
-        if request.service not in HEALTH_SERVICES:
-            raise RpcError(Code.NOT_FOUND, f"unknown service {request.service!r}")
-        return self.pb.HealthCheckResponse(status=self._status(request.service)).SerializeToString()
-
-    async def watch(self, raw: bytes, _context: Call) -> AsyncIterator[bytes]:
-        request = self._request(raw)
-        last = None
-        self.watching += 1
-        try:
-            while True:
-                status = self._status(request.service)
-                if status != last:
-                    yield self.pb.HealthCheckResponse(status=status).SerializeToString()
-                    last = status
-                    continue  # the send took time: the drain may have begun meanwhile, say so first
-                if self.closing.is_set():
-                    return
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.closing.wait(), HEALTH_POLL_S)
-        finally:
-            self.watching -= 1
-
-    def methods(self) -> dict[str, Method]:
-        return {f"/{HEALTH_SERVICE}/Check": Method(self.check),
-                f"/{HEALTH_SERVICE}/Watch": Method(self.watch, streaming=True)}
+__all__ = ["GrpcApi", "MODEL_SERVICE", "PREDICTION_SERVICE"]

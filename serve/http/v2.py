@@ -25,7 +25,7 @@ from serve.core import open_inference as oip
 from serve.core.dataplane import ServingCore
 from serve.core.errors import InvalidArgument
 from serve.core.loaded_model import LoadedModel
-from serve.http import v1_codec as protocol
+from serve.http import tf_serving_codec as protocol
 from serve.http.routing import JSON, Request, Response, Route, dumps, json_response
 
 HEADER_LENGTH = b"inference-header-content-length"

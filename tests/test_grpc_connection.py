@@ -1,12 +1,15 @@
-"""The gRPC port's HTTP/2 transport (`serve.grpc.http2`) without a model: real sockets, grpcio's
-own client for what clients do, and a raw HTTP/2 client (frames by hand, `hpack`) for what the
-protocol allows and abusers try. The methods are test methods on the transport's `Method` table;
-the served methods themselves are tested with the real server in test_grpc.py and test_grpc_v2.py."""
+"""The gRPC port's connections (`serve.grpc.connection`: the asyncio shell around the HTTP/2 machine)
+without a model: real sockets, a real `ConnectionHost`, grpcio's own client for what clients do and a
+raw HTTP/2 client (frames by hand, `hpack`) for what the protocol allows and abusers try. The methods
+are test methods; the served ones are tested with the real server in test_grpc.py and
+test_grpc_v2.py, the machine alone in test_http2_machine.py, floods against `python -m serve` in
+test_grpc_abuse.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gzip
 import logging
 import socket
@@ -20,40 +23,44 @@ import hpack
 import pytest
 
 from serve.core.errors import Code
-from serve.grpc import http2
-from serve.grpc.http2 import (
+from serve.grpc.calls import ECHO_LIMIT, Method, RpcError
+from serve.grpc.connection import GrpcConnection, GrpcService
+from serve.host import ConnectionHost, PortLimits
+from serve.http2 import Limits
+from serve.http2.frames import (
     ACK,
     DATA,
     END_HEADERS,
     END_STREAM,
+    ENHANCE_YOUR_CALM,
     GOAWAY,
     HEADERS,
+    NO_ERROR,
+    PING,
     PREFACE,
+    PROTOCOL_ERROR,
+    REFUSED_STREAM,
     RST_STREAM,
     SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
     WINDOW_UPDATE,
-    GrpcConnection,
-    GrpcLimits,
-    Method,
-    RpcError,
     frame,
 )
 
-LIMITS = dict(max_connections=8, header_timeout_s=0.5, max_header_bytes=4096, max_message_bytes=4 << 20,
-              body_timeout_s=0.3)
+LIMITS = PortLimits(max_connections=8, header_timeout_s=0.5, body_timeout_s=0.3, idle_timeout_s=30,
+                    send_timeout_s=1.0, max_header_bytes=4096, max_body_bytes=4 << 20)
 
 
 class _Port:
-    """What a connection needs of `serve.grpc.server.GrpcServer`: the method table, the limits,
-    the loop and the bookkeeping of connections and calls."""
+    """A gRPC port of test methods on a loop of its own: the host and service a worker's
+    `serve.grpc.server.GrpcServer` would make."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, limits: PortLimits, http2: Limits) -> None:
         self.loop = loop
-        self.limits = GrpcLimits(**LIMITS)
-        self.connections: set[GrpcConnection] = set()
-        self.tasks: set[asyncio.Task] = set()
+        self.host = ConnectionHost("gRPC", limits)
+        self.host.start()
         self.cancelled = 0
-        self.methods = {
+        methods = {
             "/test.T/Echo": Method(self.echo),
             "/test.T/Big": Method(self.big),
             "/test.T/Slow": Method(self.slow),
@@ -62,6 +69,7 @@ class _Port:
             "/test.T/Deadline": Method(self.deadline),
             "/test.T/Count": Method(self.count, streaming=True),
         }
+        self.service = GrpcService(methods, http2, limits.max_body_bytes, limits.max_header_bytes)
 
     async def echo(self, raw: bytes, _call) -> bytes:  # noqa: ANN001
         return raw
@@ -93,25 +101,23 @@ class _Port:
             await asyncio.sleep(0)
 
     def protocol_factory(self) -> GrpcConnection:
-        return GrpcConnection(self)
-
-    def track(self, task: asyncio.Task) -> None:
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    def publish(self) -> None:
-        pass
+        return GrpcConnection(self.host, self.service)
 
 
 @contextlib.contextmanager
-def _serving() -> Iterator[_Port]:
+def _serving(limits: PortLimits = LIMITS, http2: Limits = Limits(max_header_list_bytes=4096)) -> Iterator[_Port]:
     loop = asyncio.new_event_loop()
-    server = _Port(loop)
-    listening = loop.run_until_complete(loop.create_server(server.protocol_factory, "127.0.0.1", 0))
-    server.number = listening.sockets[0].getsockname()[1]
+
+    async def start() -> _Port:
+        port = _Port(loop, limits, http2)
+        listening = await loop.create_server(port.protocol_factory, "127.0.0.1", 0)
+        port.number = listening.sockets[0].getsockname()[1]
+        return port
+
+    port = loop.run_until_complete(start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    yield server
+    yield port
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
 
@@ -156,13 +162,26 @@ def test_status_numbers_are_grpcs(code):
 
 
 def test_unknown_methods_are_unimplemented(port, caplog):
-    caplog.set_level(logging.INFO, logger="serve.grpc.http2")
+    caplog.set_level(logging.INFO, logger="serve.host")
     with pytest.raises(grpc.RpcError) as info:
         _call(port, "/no.Such/Method", b"abc")
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "/no.Such/Method" in info.value.details()
-    assert "gRPC /no.Such/Method: not implemented by this server" in caplog.text  # one line, no traceback
+    assert "/no.Such/Method: not implemented by this server" in caplog.text  # one line, no traceback
     assert "Traceback" not in caplog.text
+
+
+def test_an_error_repeats_little_of_what_was_sent(port):
+    with pytest.raises(grpc.RpcError) as info:
+        _call(port, "/no.Such/" + "M" * 3000, b"")
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert len(info.value.details()) < ECHO_LIMIT + 100 and "MMMM..." in info.value.details()
+
+
+def test_the_path_is_read_as_utf8(port):
+    with pytest.raises(grpc.RpcError) as info:
+        _call(port, "/no.Such/Méthode", b"")
+    assert "/no.Such/Méthode" in info.value.details()
 
 
 def test_the_deadline_reaches_the_handler(port):
@@ -176,7 +195,7 @@ def test_a_call_the_client_gives_up_on_is_cancelled_on_the_server(port):
     with pytest.raises(grpc.RpcError) as info:
         _call(port, "/test.T/Slow", b"", timeout=0.3)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait(lambda: port.cancelled == before + 1 and not port.tasks)
+    _wait(lambda: port.cancelled == before + 1 and not port.host.tasks)
 
 
 def test_server_streaming(port):
@@ -261,7 +280,7 @@ def _goaway(frames) -> tuple[int, int]:  # noqa: ANN001
 
 def test_not_http2_is_a_protocol_error(port):
     raw = Raw(port, preface=b"POST / HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert _goaway(raw.until(GOAWAY))[1] == http2.PROTOCOL_ERROR
+    assert _goaway(raw.until(GOAWAY))[1] == PROTOCOL_ERROR
     assert raw.closed()
 
 
@@ -274,7 +293,7 @@ def test_a_client_that_sends_nothing_is_closed_after_the_header_timeout(port):
 
 
 def test_an_answer_waits_for_the_clients_window(port):
-    raw = Raw(port, {http2.SETTINGS_INITIAL_WINDOW_SIZE: 100})
+    raw = Raw(port, {SETTINGS_INITIAL_WINDOW_SIZE: 100})
     raw.call(1, "/test.T/Big", b"1000")
     frames = raw.until(DATA, 1)
     assert raw.headers(next(f[3] for f in frames if f[0] == HEADERS))[":status"] == "200"
@@ -300,27 +319,33 @@ def test_trailers_carry_the_status(port):
     assert b"".join(f[3] for f in frames if f[0] == DATA) == b"\x00\x00\x00\x00\x02hi"
 
 
-def test_calls_past_the_stream_limit_are_refused(port, monkeypatch):
-    monkeypatch.setattr(http2, "MAX_STREAMS", 3)
-    raw = Raw(port)
-    for stream_id in (1, 3, 5, 7):
-        raw.call(stream_id, "/test.T/Slow", b"")
-    frames = raw.until(RST_STREAM, 7)
-    assert struct.unpack(">L", frames[-1][3])[0] == http2.REFUSED_STREAM
-    raw.sock.close()
-    _wait(lambda: not port.tasks)
+def test_calls_past_the_stream_limit_are_refused():
+    with _serving(http2=Limits(max_concurrent_streams=3)) as port:
+        raw = Raw(port)
+        for stream_id in (1, 3, 5, 7):
+            raw.call(stream_id, "/test.T/Slow", b"")
+        frames = raw.until(RST_STREAM, 7)
+        assert struct.unpack(">L", frames[-1][3])[0] == REFUSED_STREAM
+        raw.sock.close()
+        _wait(lambda: not port.host.tasks and port.cancelled == 3)
 
 
-def test_a_flood_of_resets_closes_the_connection(port):
+def test_a_flood_of_resets_closes_the_connection():
+    with _serving(http2=Limits(resets_per_s=50)) as port:
+        _rapid_reset(port)
+        _wait(lambda: not port.host.tasks)
+
+
+def _rapid_reset(port: _Port) -> None:
     raw = Raw(port)
     out = b""
-    for i in range(http2.RESET_LIMIT + 1):
+    for i in range(51):
         stream_id = 2 * i + 1
         out += frame(HEADERS, END_HEADERS, stream_id, raw.encoder.encode([(":method", "POST"), (":path", "/test.T/Slow"),
                                                                           ("content-type", "application/grpc")]))
-        out += frame(RST_STREAM, 0, stream_id, struct.pack(">L", http2.CANCEL))
+        out += frame(RST_STREAM, 0, stream_id, struct.pack(">L", 8))  # CANCEL
     raw.sock.sendall(out)
-    assert _goaway(raw.until(GOAWAY))[1] == http2.ENHANCE_YOUR_CALM
+    assert _goaway(raw.until(GOAWAY))[1] == ENHANCE_YOUR_CALM
     assert raw.closed()
 
 
@@ -330,8 +355,9 @@ def test_headers_past_the_limit_are_resource_exhausted_then_goaway(port):
     frames = raw.until(HEADERS, 1)
     answer = raw.headers(frames[-1][3])  # trailers-only
     assert frames[-1][1] & END_STREAM and answer[":status"] == "200"
-    assert answer["grpc-status"] == str(Code.RESOURCE_EXHAUSTED.value) and "--max-header-bytes" in answer["grpc-message"]
-    assert _goaway(raw.until(GOAWAY))[1] == http2.ENHANCE_YOUR_CALM
+    assert answer["grpc-status"] == str(Code.RESOURCE_EXHAUSTED.value) and "--grpc-max-header-bytes" in answer["grpc-message"]
+    assert _goaway(frames)[1] == ENHANCE_YOUR_CALM  # sent first: the header table is out of step
+    assert raw.closed()
 
 
 def test_compressed_requests_are_inflated_within_the_limit(port):
@@ -361,8 +387,8 @@ def test_unreadable_compressed_messages(port, encoding, payload, code, words):
 
 def test_ping_is_answered_and_settings_acknowledged(port):
     raw = Raw(port)
-    raw.sock.sendall(frame(http2.PING, 0, 0, b"12345678"))
-    frames = raw.until(http2.PING)
+    raw.sock.sendall(frame(PING, 0, 0, b"12345678"))
+    frames = raw.until(PING)
     assert frames[-1][1] & ACK and frames[-1][3] == b"12345678"
     assert any(f[0] == SETTINGS and f[1] & ACK for f in frames)
 
@@ -370,42 +396,29 @@ def test_ping_is_answered_and_settings_acknowledged(port):
 def test_goaway_on_drain_lets_the_running_call_finish(port):
     raw = Raw(port)
     raw.call(1, "/test.T/Later", b"")
-    _wait(lambda: port.tasks)
+    _wait(lambda: port.host.tasks)
     here = "%s:%d" % raw.sock.getsockname()
-    connection = next(c for c in list(port.connections) if c.peer == here)
-    port.loop.call_soon_threadsafe(connection.goaway)
-    assert _goaway(raw.until(GOAWAY)) == (1, http2.NO_ERROR)
+    connection = next(c for c in list(port.host.connections) if c.peer == here)
+    port.loop.call_soon_threadsafe(connection.drain)
+    assert _goaway(raw.until(GOAWAY)) == (1, NO_ERROR)
     raw.call(3, "/test.T/Echo", b"late")  # sent after GOAWAY: refused, never run
     frames = raw.until(RST_STREAM, 3)
-    assert struct.unpack(">L", frames[-1][3])[0] == http2.REFUSED_STREAM
+    assert struct.unpack(">L", frames[-1][3])[0] == REFUSED_STREAM
     frames += raw.until(HEADERS, 1)
     frames += raw.until(HEADERS, 1)
     assert b"".join(f[3] for f in frames if f[0] == DATA and f[2] == 1) == b"\x00\x00\x00\x00\x04done"
     assert raw.closed()
 
 
-def test_remembered_header_blocks_follow_the_header_table():
-    """The same bytes mean other headers once the table changed: the decoder's memory must not
-    answer from before the change."""
-    decoder, encoder = http2.HeaderDecoder(4096), hpack.Encoder()
-    assert decoder.decode(encoder.encode([(":path", "/a")])) == [(b":path", b"/a")]  # inserted: dynamic entry 62
-    assert decoder.decode(b"\xbe") == decoder.decode(b"\xbe") == [(b":path", b"/a")]  # indexed 62, remembered
-    decoder.decode(encoder.encode([("x-other", "1")]))  # inserted: now entry 62
-    assert decoder.decode(b"\xbe") == [(b"x-other", b"1")]
-    decoder.decode(b"\x20")  # a table size update to 0 empties the table: entry 62 no longer exists
-    with pytest.raises(hpack.HPACKError):
-        decoder.decode(b"\xbe")
-
-
 def test_connections_past_the_limit_get_goaway():
     with _serving() as port:
-        clients = [Raw(port) for _ in range(LIMITS["max_connections"])]
-        _wait(lambda: port.limits.open == LIMITS["max_connections"])
-        refused = Raw(port)
-        assert _goaway(refused.until(GOAWAY))[1] == http2.ENHANCE_YOUR_CALM
-        assert refused.closed() and port.limits.refused == 1
+        clients = [Raw(port) for _ in range(LIMITS.max_connections)]
+        _wait(lambda: port.host.open == LIMITS.max_connections)
+        refused = Raw(port)  # all the others are new: none is evicted
+        assert _goaway(refused.until(GOAWAY))[1] == ENHANCE_YOUR_CALM
+        assert refused.closed() and port.host.events["refused"] == 1
         clients.pop().sock.close()  # room for one more
-        _wait(lambda: port.limits.open == LIMITS["max_connections"] - 1)
+        _wait(lambda: port.host.open == LIMITS.max_connections - 1)
         again = Raw(port)
         again.call(1, "/test.T/Echo", b"in")
         assert b"in" in b"".join(f[3] for f in again.until(HEADERS, 1) + again.until(HEADERS, 1) if f[0] == DATA)
@@ -413,7 +426,7 @@ def test_connections_past_the_limit_get_goaway():
 
 def test_a_request_message_must_follow_its_headers_in_time(port):
     raw = Raw(port)
-    headers = [(":method", "POST"), (":path", "/test.T/Echo"), ("content-type", "application/grpc")]
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", "/test.T/Echo"), ("content-type", "application/grpc")]
     raw.sock.sendall(frame(HEADERS, END_HEADERS, 1, raw.encoder.encode(headers)))  # and no message
     raw.sock.sendall(frame(HEADERS, END_HEADERS, 3, raw.encoder.encode(headers)))
     time.sleep(0.1)  # the message of call 3 comes later, in time
@@ -424,4 +437,55 @@ def test_a_request_message_must_follow_its_headers_in_time(port):
     answer = raw.headers(next(f[3] for f in frames if f[0] == HEADERS and f[2] == 1))
     assert answer["grpc-status"] == str(Code.DEADLINE_EXCEEDED.value) and "--body-timeout" in answer["grpc-message"]
     assert any(f[0] == DATA and f[2] == 3 and f[3].endswith(b"ok") for f in frames)  # call 3 was answered
-    assert struct.unpack(">L", raw.until(RST_STREAM, 1)[-1][3])[0] == http2.NO_ERROR  # stop sending
+    assert struct.unpack(">L", raw.until(RST_STREAM, 1)[-1][3])[0] == NO_ERROR  # stop sending
+
+
+def test_a_request_that_is_not_grpc_gets_a_complete_http_answer(port):
+    raw = Raw(port)
+    raw.sock.sendall(frame(HEADERS, END_HEADERS | END_STREAM, 1, raw.encoder.encode(
+        [(":method", "GET"), (":scheme", "http"), (":path", "/"), (":authority", "t")])))
+    frames = raw.until(DATA, 1)
+    answer = raw.headers(next(f[3] for f in frames if f[0] == HEADERS))
+    assert answer[":status"] == "405" and answer["allow"] == "POST"
+    assert frames[-1][1] & END_STREAM and b"this port speaks gRPC" in frames[-1][3]
+
+
+def test_an_unfinished_header_block_has_a_deadline(port):
+    raw = Raw(port)
+    raw.sock.sendall(frame(HEADERS, 0, 1, raw.encoder.encode([(":method", "POST")])))  # no END_HEADERS, ever
+    start = time.monotonic()
+    _, code = _goaway(raw.until(GOAWAY))
+    assert code == ENHANCE_YOUR_CALM and 0.4 < time.monotonic() - start < 3
+    assert raw.closed()
+
+
+def test_a_connection_without_calls_is_closed_after_the_idle_timeout():
+    with _serving(dataclasses.replace(LIMITS, idle_timeout_s=0.5)) as port:
+        raw = Raw(port)
+        raw.call(1, "/test.T/Echo", b"one")
+        raw.until(HEADERS, 1), raw.until(HEADERS, 1)
+        start = time.monotonic()
+        assert _goaway(raw.until(GOAWAY)) == (1, NO_ERROR)  # clients reconnect after it
+        assert 0.4 < time.monotonic() - start < 3 and raw.closed()
+        assert port.host.events["idle_closed"] == 1
+
+
+def test_an_answer_left_unread_closes_the_connection_after_the_send_timeout(port):
+    raw = Raw(port, {SETTINGS_INITIAL_WINDOW_SIZE: 0})  # and no WINDOW_UPDATE will come
+    raw.call(1, "/test.T/Big", b"1000")
+    raw.until(HEADERS, 1)
+    start = time.monotonic()
+    assert raw.closed()  # aborted: nothing of the answer could go out
+    assert 0.9 < time.monotonic() - start < 4 and port.host.events["send_timeout"] >= 1
+
+
+def test_an_idle_connection_makes_room_at_the_limit():
+    with _serving() as port:
+        idle = [Raw(port) for _ in range(LIMITS.max_connections)]
+        _wait(lambda: port.host.open == LIMITS.max_connections)
+        time.sleep(1.1)  # idle for longer than serve.host.EVICT_AFTER_S
+        newcomer = Raw(port)
+        newcomer.call(1, "/test.T/Echo", b"in")
+        assert b"in" in b"".join(f[3] for f in newcomer.until(HEADERS, 1) + newcomer.until(HEADERS, 1) if f[0] == DATA)
+        assert _goaway(idle[0].until(GOAWAY))[1] == NO_ERROR and idle[0].closed()  # the oldest one made room
+        assert port.host.events["evicted"] == 1 and port.host.open == LIMITS.max_connections

@@ -1,6 +1,6 @@
 """TF Serving's REST API (the V1 protocol), the friendly API, health, metrics and OpenAPI.
 
-Handlers decode HTTP into plain values (`serve.http.v1_codec`), call the shared `ServingCore`, and
+Handlers decode HTTP into plain values (`serve.http.tf_serving_codec`), call the shared `ServingCore`, and
 encode its answer; the core validates and raises neutral errors that `serve.http.routing` maps to HTTP.
 """
 
@@ -11,7 +11,7 @@ from serve.config import ServeConfig
 from serve.core.dataplane import ServingCore, explain_signature
 from serve.core.errors import InvalidArgument, ServingError
 from serve.core.metrics import CONTENT_TYPE_LATEST
-from serve.http import v1_codec as protocol
+from serve.http import tf_serving_codec as protocol
 from serve.http.openapi import openapi_spec
 from serve.http.routing import Request, Response, Route, error_body, json_response
 
