@@ -84,10 +84,11 @@ class LoadedModel:
             self.signatures[name] = Signature(
                 name=name,
                 method_name=sig.method_name,
-                inputs={k: _tensor_info(v) for k, v in sig.inputs.items()},
-                outputs={k: _tensor_info(v) for k, v in sig.outputs.items()},
-            )
-        self._runners = {name: _SignatureRunner(self._functions[name], _mergeable(self.signatures[name]))
+                inputs={k: _tensor_info(sig.inputs[k]) for k in sorted(sig.inputs)},
+                outputs={k: _tensor_info(sig.outputs[k]) for k in sorted(sig.outputs)},
+            )  # sorted: a protobuf map has no order, answers list their outputs in one
+        self._runners = {name: _SignatureRunner(self._functions[name], _mergeable(self.signatures[name]),
+                                                tuple(self.signatures[name].outputs))
                          for name in self._functions}
 
     def signature(self, name: str) -> Signature:
@@ -171,12 +172,14 @@ class _SignatureRunner:
     read from the function once and checked against its placeholders; a function whose order
     cannot be confirmed is called the ordinary way."""
 
-    __slots__ = ("_fn", "mergeable", "_flat")
+    __slots__ = ("_fn", "mergeable", "_flat", "_outputs")
 
-    def __init__(self, fn, mergeable: bool = True) -> None:  # noqa: ANN001 - a ConcreteFunction
+    def __init__(self, fn, mergeable: bool = True, outputs: tuple[str, ...] = ()) -> None:  # noqa: ANN001
         self._fn = fn
         self.mergeable = mergeable
         self._flat = _flat_inputs(fn)
+        self._outputs = outputs
+        """The outputs in the order answers list them (the function's own dict order is not fixed)."""
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         import tensorflow as tf
@@ -186,6 +189,8 @@ class _SignatureRunner:
         else:
             args = [tf.constant(inputs[name], dtype=dtype) for name, dtype in self._flat]
             outputs = self._fn._call_flat(args, captured_inputs=self._fn.captured_inputs)
+        if self._outputs and len(outputs) == len(self._outputs):
+            return {k: outputs[k].numpy() for k in self._outputs}
         return {k: v.numpy() for k, v in outputs.items()}
 
 
