@@ -123,16 +123,16 @@ def big_headers(target, until) -> None:  # noqa: ANN001
 
 
 def unknown_method(target, until) -> None:  # noqa: ANN001
-    """Tiny requests for a long unknown method: after the first, each header block is 13 bytes or so."""
-    encoder = hpack.Encoder()
+    """Tiny requests for a long unknown method: after the first, each header block is a few indexes."""
+    path = "/no.Such/" + "M" * 3_900  # the most the 4 KiB header table holds
     while time.monotonic() < until:
         try:
             sock = connect(target)
             drain(sock)
-            path = "/no.Such/" + "M" * 12_000
-            block = request(encoder, path)
-            block = request(encoder, path)  # now all indexed
-            stream_id = 1
+            encoder = hpack.Encoder()  # a new connection, a new header table
+            sock.sendall(frame(HEADERS, END_HEADERS | END_STREAM, 1, request(encoder, path)))
+            block = request(encoder, path)  # all indexes now: a few bytes
+            stream_id = 3
             while time.monotonic() < until and stream_id < 2**31 - 2000:
                 sock.sendall(b"".join(frame(HEADERS, END_HEADERS | END_STREAM, stream_id + 2 * i, block)
                                       for i in range(500)))
