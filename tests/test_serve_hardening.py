@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import selectors
 import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -466,6 +468,101 @@ def test_workers_share_connections_and_one_scrape_shows_them_all(model_base):
     assert total >= load.answered()
     shares = {w: v / total for w, v in served.items()}
     assert all(0.3 <= share <= 0.7 for share in shares.values()), shares
+
+
+def _established_per_worker(port: int, pids: list[int]) -> dict[int, int]:
+    """{pid: established connections on `port`} from the kernel's socket table (what `ss -tnp`
+    shows): where keep-alive connections really are, whatever the server thinks."""
+    inodes = {}
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue  # closed meanwhile
+            if target.startswith("socket:["):
+                inodes[target[8:-1]] = pid
+    counts = dict.fromkeys(pids, 0)
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port, state, inode = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
+            if local_port == port and state == "01" and inode in inodes:
+                counts[inodes[inode]] += 1
+    return counts
+
+
+class Burst:
+    """`clients` keep-alive connections opened at once, as wrk opens them, then each posting back
+    to back on its own thread (and reconnecting where the server closed it)."""
+
+    def __init__(self, port: int, clients: int = 32) -> None:
+        self.answered, self.failures = 0, []
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        connections = [http.client.HTTPConnection("127.0.0.1", port, timeout=20) for _ in range(clients)]
+        for conn in connections:
+            conn.connect()
+        self._threads = [threading.Thread(target=self._client, args=(c,), daemon=True) for c in connections]
+        for t in self._threads:
+            t.start()
+
+    def _client(self, conn: http.client.HTTPConnection) -> None:
+        while not self._stop.is_set():
+            try:
+                conn.request("POST", PREDICT, BODY, {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                response.read()
+                if response.status != 200:
+                    raise ValueError(f"status {response.status}")
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                with self._lock:
+                    self.failures.append(repr(exc))
+                return
+            with self._lock:
+                self.answered += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(20)
+
+
+def test_a_burst_right_after_readiness_spreads_over_the_workers(model_base):
+    """A load balancer starts sending as soon as the first predict answers: 32 keep-alive
+    connections opened at once then all landed on one worker (32/0), and keep-alive connections
+    stay where they land. The worker over its share sheds the excess (Connection: close), so the
+    clients' reconnections even it out."""
+    srv = ServerProcess(model_base, "--poll-interval", "0", "--workers", "2")
+    burst = None
+    try:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            try:
+                if requests.post(srv.url + PREDICT, data=BODY, timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.05)
+        burst = Burst(srv.port, clients=32)
+        while srv.log().count("version 1 live") < 2 and time.monotonic() < end:
+            time.sleep(0.1)
+        pids = [int(p) for p in re.search(r"\(pids ([\d, ]+);", srv.log()).group(1).split(", ")]
+        deadline = time.monotonic() + 10  # the excess is shed within a tick of the port (1 s here)
+        counts = _established_per_worker(srv.port, pids)
+        while min(counts.values()) < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            counts = _established_per_worker(srv.port, pids)
+        answered = burst.answered
+        while burst.answered < answered + 1000 and time.monotonic() < deadline + 30:
+            time.sleep(0.05)
+        counts = _established_per_worker(srv.port, pids)  # and it stays so
+    finally:
+        if burst is not None:
+            burst.stop()
+        assert srv.stop() == 0, srv.log()
+    assert burst.failures == [], burst.failures[:3]
+    assert sum(counts.values()) >= 28, counts  # a few may be reconnecting at the moment of counting
+    assert all(n >= 8 for n in counts.values()), counts  # 15-17 each when measured by hand
 
 
 def test_a_burst_of_signals_still_stops_the_supervisor(model_base):
