@@ -18,6 +18,12 @@ Measured side by side, each load level in --rounds slices that alternate which s
     (Debian's `nghttp2-client`; skipped without it), each gRPC answer checked once with `nghttp` to
     carry grpc-status 0 (h2load counts HTTP statuses only); the protocols alternate in --rounds
     slices per level; and c=1 with h2load driving both REST (HTTP/1.1) and gRPC, the same tool.
+With --grpc-transports (e.g. `own,h2,baseline`), only the gRPC port's HTTP/2 layer is compared
+instead: one `python -m serve` (defaults) per transport, each measured at c=1, 32 and 256 for REST
+:predict (wrk) and gRPC Predict and ModelInfer (h2load), all in alternating slices:
+  - `own`:      the server's own machine (serve/http2);
+  - `h2`:       python-hyper's `h2` as that machine (bench/h2_machine.py, `pip install h2`);
+  - `baseline`: the --baseline checkout's gRPC port.
 Load: `wrk` (Debian package `wrk`; a Python load generator saturates before these servers do), one
 thread, keep-alive connections, one real ~170-word review per request (from ../shared/data/imdb when
 present, else a built-in review of the same length), plus a row of --batch-rows reviews per request.
@@ -364,6 +370,96 @@ def protocol_rows(port: int, name: str, work: Path, script: Path, text: str, sec
     return lines
 
 
+TRANSPORTS = {"own": "the server's own HTTP/2 machine", "h2": "python-hyper's h2 as the machine",
+              "baseline": "the --baseline checkout"}
+
+
+def transport_rows(ports: dict[str, int], name: str, work: Path, script: Path, text: str, seconds: float,
+                   rounds: int) -> list[str]:
+    """REST :predict, gRPC Predict and gRPC ModelInfer on one server per gRPC transport (gRPC on
+    port + 1), level by level, every (transport, protocol) pair in each of `rounds` slices, in a
+    rotated order. Each gRPC rate is also given as a multiple of the same server's REST rate."""
+    rest = work / "one.json"
+    frames = grpc_frames(work, text, name)
+    runs = {}
+    for transport, port in ports.items():
+        for method, frame in frames.items():
+            check_grpc(port + 1, method, frame)
+        rest_run = functools.partial(run_wrk, port, f"/v1/models/{name}:predict", rest, script)
+        runs[transport, "rest"] = lambda c, t, rest_run=rest_run: merge([rest_run(c, t)], 1)
+        for method, frame in frames.items():
+            runs[transport, method] = functools.partial(run_h2load, f"http://127.0.0.1:{port + 1}{method}", frame)
+    lines = []
+    for c in (1, 32, 256):
+        rates: dict[tuple, list[float]] = {k: [] for k in runs}
+        for r in range(rounds):
+            keys = list(runs)
+            shift = (r * len(keys)) // rounds
+            for key in keys[shift:] + keys[:shift]:
+                rates[key].append(runs[key](c, seconds / rounds)["rps"])
+        mean = {k: sum(v) / len(v) for k, v in rates.items()}
+        for transport in ports:
+            r = mean[transport, "rest"]
+            line = f"c={c:<4} {transport:<9} | {r:>8,.0f}"
+            for method in frames:
+                g = mean[transport, method]
+                line += f" | {g:>8,.0f} ({g / r:.2f}x REST)"
+            if transport != "own" and "own" in ports:
+                line += f" | Predict {mean[transport, PREDICT] / mean['own', PREDICT]:.2f}x own's"
+            lines.append(line)
+            print(f"  transports {line}", file=sys.stderr, flush=True)
+    return lines
+
+
+def compare_grpc_transports(a: argparse.Namespace, serve_cmd: list[str], env: dict, work: Path, script: Path,
+                            name: str, text: str) -> None:
+    """The --grpc-transports run: start one server per transport, measure, print the table."""
+    transports = [t.strip() for t in a.grpc_transports.split(",")]
+    unknown = [t for t in transports if t not in TRANSPORTS]
+    if unknown or ("baseline" in transports and not a.baseline):
+        raise SystemExit(f"--grpc-transports: choose from {', '.join(TRANSPORTS)} (baseline needs --baseline)")
+    if shutil.which("h2load") is None:
+        raise SystemExit("h2load not found: install it from the OS packages (apt-get install nghttp2-client)")
+    ports = {}
+    for t in transports:
+        ports[t] = free_port()
+        while not port_free(ports[t] + 1):
+            ports[t] = free_port()
+    procs = {}
+    for t in transports:
+        cwd, extra = REPO, {}
+        if t == "h2":
+            extra = {"PYTHONPATH": f"{REPO / 'bench' / 'h2_site'}{os.pathsep}{REPO}"}
+        elif t == "baseline":
+            cwd = Path(a.baseline).resolve()
+            extra = {"PYTHONPATH": str(cwd)}
+        command = [*serve_cmd, "--port", str(ports[t]), "--grpc-port", str(ports[t] + 1)]
+        procs[t] = subprocess.Popen(command, cwd=cwd, env={**env, **extra}, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+    started, load_before = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
+    try:
+        for t, proc in procs.items():
+            wait_ready(ports[t], proc)
+        frames = grpc_frames(work, text, name)
+        for t in transports:  # the same warm-up for every server
+            run_wrk(ports[t], f"/v1/models/{name}:predict", work / "one.json", script, 32, 2)
+            run_h2load(f"http://127.0.0.1:{ports[t] + 1}{PREDICT}", frames[PREDICT], 32, 2)
+        lines = transport_rows(ports, name, work, script, text, a.duration, max(1, a.rounds))
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(60)
+    print(f"\ngRPC transports, {started}, {os.cpu_count()} CPU cores shared by the load generators and "
+          f"{len(procs)} servers (load average {load_before:.1f} before); python -m serve defaults; one review "
+          f"per request; {a.duration:g}s per level, protocol and server in {max(1, a.rounds)} alternating slices.")
+    for t in transports:
+        print(f"  {t}: {TRANSPORTS[t]}")
+    print(f"\n{'load':<6} {'server':<9} | {'REST':>8} | {'gRPC Predict':<24} | {'V2 gRPC ModelInfer':<24}")
+    for line in lines:
+        print(line)
+
+
 def same_tool_c1(port: int, name: str, rest: Path, frame: Path, seconds: float) -> str:
     """c=1 with h2load on both sides (REST as HTTP/1.1), so that the two load generators' own
     latencies do not decide the comparison."""
@@ -414,6 +510,8 @@ def main() -> None:
     p.add_argument("--baseline-model-dir", metavar="DIR",
                    help="with --baseline: the model base it serves (e.g. the same run exported by that checkout; "
                         "the same model name as --model-dir); default: --model-dir")
+    p.add_argument("--grpc-transports", metavar="LIST",
+                   help="compare the gRPC port's HTTP/2 layer instead: own, h2, baseline (see above)")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -441,18 +539,24 @@ def main() -> None:
     levels = [int(c) for c in a.concurrency.split(",")]
     rows_plan = [(c, 1) for c in levels] + [(32, a.batch_rows)]
     servers = [s.strip() for s in a.servers.split(",")] + (["baseline"] if a.baseline else [])
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    serve_cmd = [sys.executable, "-m", "serve", "--model-dir", a.model_dir, "--host", "127.0.0.1",
+                 "--poll-interval", "0", "--log-level", "WARNING", *a.serve_args.split()]
+    if a.grpc_transports:
+        try:
+            compare_grpc_transports(a, serve_cmd, env, work, script, name, text)
+        finally:
+            tmp.cleanup()
+        return
 
     signature = load_signature(a.model_dir)
     # The model alone, measured before, between and after the servers' load levels: this host's
     # speed drifts by 20-40% over minutes, so the servers are compared with the model's mean over
     # the same stretch of time, not with one measurement at the start.
     model_slices = [model_call_rate(signature, text)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     ports = {s: free_port() for s in servers}
     while "serve" in servers and not port_free(ports["serve"] + 1):
         ports["serve"] = free_port()  # its gRPC port is the next one
-    serve_cmd = [sys.executable, "-m", "serve", "--model-dir", a.model_dir, "--host", "127.0.0.1",
-                 "--poll-interval", "0", "--log-level", "WARNING", *a.serve_args.split()]
     commands = {
         "serve": [*serve_cmd, "--port", str(ports.get("serve", 0)), "--grpc-port", str(ports.get("serve", 0) + 1)],
         "serve x1": [*serve_cmd, "--port", str(ports.get("serve x1", 0)), "--workers", "1"],
