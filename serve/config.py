@@ -38,7 +38,7 @@ def parse_labels(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(pairs)
 
 
-def parse_origins(text: str) -> tuple[str, ...]:
+def parse_list(text: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
@@ -60,6 +60,13 @@ class ServeConfig:
     model_config_file_poll_wait_seconds: float = option(
         0.0, "seconds between checks of --model-config-file for changes; 0: read it once", metavar="SECONDS"
     )
+    model_management: bool = option(
+        False, "let clients replace the served models (gRPC ModelService.HandleReloadConfigRequest, applied by "
+               "every worker); off: PERMISSION_DENIED")
+    model_roots: tuple[str, ...] = option(
+        (), "directories every model base path must lie in, comma-separated, for reloads by gRPC or a changed "
+            "--model-config-file (default: the directories holding the models configured at start)",
+        flag="--model-root", parse=parse_list, metavar="DIR[,DIR]", shown_default="the models' parent directories")
 
     host: str = option("0.0.0.0", "address to bind (as TF Serving, all interfaces); 127.0.0.1 for local only")
     port: int = option(8501, "REST port (TF Serving's default REST port)")
@@ -69,6 +76,14 @@ class ServeConfig:
            "model), batcher and reload poller; 0: one per CPU this process may use (its CPU affinity "
            "and cgroup CPU limit)"
     )
+
+    tls_cert_file: str = option("", "TLS on both ports: the server's PEM certificate (chain); re-read when it changes",
+                                flag="--tls-cert", metavar="FILE")
+    tls_key_file: str = option("", "with --tls-cert: its PEM private key", flag="--tls-key", metavar="FILE")
+    tls_client_ca_file: str = option("", "mTLS: a PEM CA bundle; clients must present a certificate it signed "
+                                         "(see --tls-client-auth)", flag="--tls-client-ca", metavar="FILE")
+    tls_client_auth: Literal["required", "optional"] = option(
+        "required", "with --tls-client-ca: required, or optional (a certificate is verified when a client sends one)")
 
     max_connections: int = option(
         1024, "open connections per worker on each port; past it a new REST connection gets an immediate 503, "
@@ -117,7 +132,7 @@ class ServeConfig:
     max_rows_per_request: int = option(1024, "most instances (texts) in one request (400)")
     max_text_bytes: int = option(100_000, "longest single text in UTF-8 bytes (400)")
     cors_origins: tuple[str, ...] = option((), "origins allowed by CORS, comma-separated, or '*'; off without it",
-                                           parse=parse_origins)
+                                           parse=parse_list)
     overload_status: Literal[429, 503] = option(429, "HTTP status of a full queue: 429 or 503")
 
     drain_delay_s: float = option(0.0, "on SIGTERM, seconds to keep serving (readiness already failing, every "
@@ -168,6 +183,12 @@ class ServeConfig:
         for name in ("port", "grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be in 0..65535")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("--tls-cert and --tls-key go together: the certificate and its private key")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (client certificates are a part of TLS)")
+        if self.tls_client_auth not in ("required", "optional"):
+            raise ValueError(f"--tls-client-auth {self.tls_client_auth!r}: expected required or optional")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"--log-level {self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
 

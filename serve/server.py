@@ -12,8 +12,9 @@ import sys
 
 from common.cpus import usable_cpus
 from serve.config import DEFAULT_MODEL_DIR, EXIT_STARTUP, ServeConfig, configure_logging
-from serve.core.model_config_file import ModelConfigError, config_sources
+from serve.core.model_config_file import ModelConfigError, config_sources, model_roots
 from serve.sockets import StartupError, bind_socket
+from serve.tls import TlsError, build_context
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,13 @@ def serve(config: ServeConfig) -> int:
               "or name one with --model-dir models/NAME (or several with --model-config-file)", file=sys.stderr)
         return EXIT_STARTUP
     try:
-        config_sources(config)  # a broken --model-config-file stops here, before any port is taken
+        sources = config_sources(config)  # a broken --model-config-file stops here, before any port is taken
+        config = dataclasses.replace(config, model_roots=model_roots(config, sources))  # fixed from now on
+        if config.tls_cert_file:
+            build_context(config, "rest")  # unusable certificate files stop here too
         sock = bind_socket(config.host, config.port)
         grpc_sock = bind_socket(config.host, config.grpc_port, "--grpc-port") if config.grpc_port else None
-    except (StartupError, ModelConfigError) as exc:
+    except (StartupError, ModelConfigError, TlsError) as exc:
         print(f"serve: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     if config.workers == 0:

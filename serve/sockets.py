@@ -12,8 +12,10 @@ evenly, and a worker that is busy with long requests takes fewer new ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+import ssl
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,8 @@ MAX_ACCEPTS_PER_WAKE = 32
 that fell behind catches up in one event-loop turn instead of one connection per turn (256 new
 connections took over a second to spread over two busy workers that way)."""
 REBALANCE_SLACK = 1
+PLAINTEXT_LOG_S = 60.0
+"""A peer whose TLS handshake fails (or who speaks plaintext to a TLS port) is logged once per this."""
 """Connections a worker may hold beyond an even share before it sheds the rest (`AcceptGate.excess`)."""
 
 
@@ -64,10 +68,14 @@ class AcceptGate:
 
     def __init__(self, sock: socket.socket, create_protocol: Callable[[], asyncio.Protocol],
                  open_connections: Callable[[], int], *,
-                 loads=None, index: int = 0) -> None:  # noqa: ANN001 - a multiprocessing.Array of int
+                 loads=None, index: int = 0, tls=None,  # noqa: ANN001 - a multiprocessing.Array of int
+                 handshake_timeout_s: float = 10.0, plaintext_answer: bytes = b"") -> None:
         """`open_connections()`: the connections this worker's protocols hold open (call `publish`
-        when it changes)."""
+        when it changes); `tls`: the port's `serve.tls.TlsContexts` (None: plaintext), with the
+        handshake's time limit and what a plaintext client is told before the connection closes."""
         self.sock, self.create_protocol, self.loads, self.index = sock, create_protocol, loads, index
+        self.tls, self._handshake_timeout_s, self._plaintext_answer = tls, handshake_timeout_s, plaintext_answer
+        self._plaintext_logged: dict[str, float] = {}
         self._open_connections = open_connections
         self._loop = asyncio.get_running_loop()
         self._accepting = False
@@ -158,10 +166,68 @@ class AcceptGate:
     def take(self, conn: socket.socket) -> None:
         """Serve an accepted connection on this loop."""
         conn.setblocking(False)
-        task = self._loop.create_task(self._loop.connect_accepted_socket(self.create_protocol, conn))
+        if self.tls is None:
+            task = self._loop.create_task(self._loop.connect_accepted_socket(self.create_protocol, conn))
+        else:
+            task = self._loop.create_task(self._tls_connection(conn))
         self._connecting.add(task)  # counted now, before the protocol exists, so the next wake-up sees it
         task.add_done_callback(self._connected)
         self.publish()
+
+    async def _tls_connection(self, conn: socket.socket) -> None:
+        """The TLS handshake (bounded by the header timeout), after a look at the first bytes: a
+        client speaking plaintext gets `plaintext_answer` and a clean close, logged at most once
+        per peer address and PLAINTEXT_LOG_S."""
+        loop = self._loop
+        try:
+            first = await asyncio.wait_for(self._peek(conn), self._handshake_timeout_s)
+        except (asyncio.TimeoutError, OSError):
+            conn.close()
+            return
+        if not first:  # gone before a word
+            conn.close()
+            return
+        if first[:1] != b"\x16":  # not a TLS handshake record
+            self._refuse_plaintext(conn)
+            return
+        try:
+            await loop.connect_accepted_socket(self.create_protocol, conn, ssl=self.tls.current(),
+                                               ssl_handshake_timeout=self._handshake_timeout_s)
+        except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
+            self._log_peer(conn, "TLS handshake failed: %s", getattr(exc, "reason", None) or exc.__class__.__name__)
+            conn.close()
+
+    async def _peek(self, conn: socket.socket) -> bytes:
+        ready = self._loop.create_future()
+        self._loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            self._loop.remove_reader(conn.fileno())
+        return conn.recv(16, socket.MSG_PEEK)
+
+    def _refuse_plaintext(self, conn: socket.socket) -> None:
+        self._log_peer(conn, "plaintext request on a TLS port: %s", "answered and closed")
+        with contextlib.suppress(OSError):
+            if self._plaintext_answer:
+                conn.send(self._plaintext_answer)
+            conn.shutdown(socket.SHUT_WR)
+            while conn.recv(65536):  # what it sent, unread, would make the close a reset
+                pass
+        conn.close()
+
+    def _log_peer(self, conn: socket.socket, message: str, detail: object) -> None:
+        try:
+            peer = conn.getpeername()[0]
+        except OSError:
+            peer = "client"
+        now = self._loop.time()
+        if now - self._plaintext_logged.get(peer, float("-inf")) < PLAINTEXT_LOG_S:
+            return
+        if len(self._plaintext_logged) >= 4096:
+            self._plaintext_logged.clear()
+        self._plaintext_logged[peer] = now
+        log.warning("%s: " + message + " (logged once per %gs for this address)", peer, detail, PLAINTEXT_LOG_S)
 
     async def settle(self) -> None:
         """Wait until every accepted connection has its protocol (so the server counts it)."""

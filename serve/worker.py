@@ -25,7 +25,8 @@ import socket
 from common.cpus import usable_cpus
 from serve.config import EXIT_ABANDONED, EXIT_OK, ServeConfig, configure_logging
 from serve.core.dataplane import ServingCore
-from serve.core.metrics import PeerMetrics
+from serve.core.peers import Peers, saved_models
+from serve.tls import tls_for
 from serve.core.model_config_file import ModelConfigError, config_sources, file_fingerprint, read_model_config
 from serve.http.app import create_app
 from serve.host import ConnectionHost, PortLimits
@@ -35,6 +36,10 @@ from serve.sockets import AcceptGate
 log = logging.getLogger(__name__)
 
 WORKER_READY_WAIT_S = 120.0
+_PLAINTEXT_TEXT = b"This port speaks HTTPS: use an https:// URL.\n"
+PLAINTEXT_ANSWER = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(_PLAINTEXT_TEXT), _PLAINTEXT_TEXT))
+"""What a plaintext HTTP client gets on a TLS REST port before the connection closes."""
 """How long one of several workers waits for its model before it takes connections anyway."""
 
 
@@ -57,9 +62,12 @@ class _Worker:
         `serve.sockets.AcceptGate`)."""
         self.config, self.sock, self.index, self.loads = config, sock, index, loads
         self.grpc_sock, self.grpc_loads = grpc_sock, grpc_loads
-        self.core = ServingCore(config, config_sources(config))
-        if peer_dir is not None and index is not None:
-            self.core.peers = PeerMetrics(self.core.metrics, peer_dir, index, config.workers)
+        several = peer_dir is not None and index is not None
+        # a worker started after a reload (a restart) serves what its siblings were told to
+        sources = (saved_models(peer_dir) if several else None) or config_sources(config)
+        self.core = ServingCore(config, sources)
+        if several:
+            self.core.peers = Peers(peer_dir, index, config.workers, self.core.metrics.render, self.core.apply_sources)
         self.rest_host = ConnectionHost("REST", PortLimits.of(config),
                                         report=functools.partial(self.core.metrics.connection_event, "rest"))
         self.rest = RestServer(create_app(config, self.core), self.rest_host)
@@ -143,9 +151,11 @@ class _Worker:
 
     def _serve_rest(self) -> asyncio.Future:
         host, port = self.sock.getsockname()[:2]
-        log.info("serving %s on http://%s:%d (REST)", _describe(self.core), host, port)
+        tls = tls_for(self.config, "rest")
+        log.info("serving %s on %s://%s:%d (REST)", _describe(self.core), "https" if tls else "http", host, port)
         self.gate = AcceptGate(self.sock, self.rest.protocol_factory, lambda: self.rest_host.open,
-                               loads=self.loads, index=self.index or 0)
+                               loads=self.loads, index=self.index or 0, tls=tls,
+                               handshake_timeout_s=self.config.header_timeout_s, plaintext_answer=PLAINTEXT_ANSWER)
         self.rest_host.on_change = self.gate.publish
         self.rest_host.excess = self.gate.excess
         self.rest.start()
@@ -211,7 +221,7 @@ async def _announce_when_ready(config: ServeConfig, core: ServingCore, port: int
     while not core.ready:
         await asyncio.sleep(0.1)
     host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
-    url = f"http://{host}:{port}"
+    url = f"{'https' if config.tls_cert_file else 'http'}://{host}:{port}"
     name = core.default_model
     log.info("ready: open %s/ in a browser, or try\n"
              "  curl -s %s/v1/models/%s:predict -d '{\"instances\": [\"a wonderful film\"]}'\n"
@@ -236,10 +246,13 @@ async def watch_model_config(config: ServeConfig, core: ServingCore) -> None:
         last = current
         try:
             sources = await asyncio.to_thread(read_model_config, path)
+            core.check_sources(sources, path)
         except ModelConfigError as exc:
             log.error("%s; keeping the models already served", exc)
             continue
         log.info("model config changed: serving %s", ", ".join(s.name for s in sources))
+        if core.peers is not None:
+            core.peers.forget_saved()
         await core.apply_sources(sources)
 
 

@@ -23,14 +23,14 @@ CPP_LOG = re.compile(r"^(WARNING: All log messages before absl|[IWEF]\d{4} [\d:.
 """TensorFlow's C++ log lines: absl's banner, glog-style lines, the CPU-feature notice."""
 
 
-def poll_ready(url: str, timeout: float, alive=lambda: True, path: str = "/readyz") -> float | None:  # noqa: ANN001
+def poll_ready(url: str, timeout: float, alive=lambda: True, path: str = "/readyz", **tls) -> float | None:  # noqa: ANN001
     """Seconds until `url + path` answered 200, or None after `timeout` or once `alive()` is false.
     Connection errors count as "not yet": a server still binding, or one whose port accepts
-    before a worker does."""
+    before a worker does. `tls`: requests' `verify` and `cert` for an https:// URL."""
     start = time.monotonic()
     while time.monotonic() - start < timeout and alive():
         try:
-            if requests.get(url + path, timeout=1).status_code == 200:
+            if requests.get(url + path, timeout=1, **tls).status_code == 200:
                 return time.monotonic() - start
         except requests.RequestException:
             pass
@@ -58,12 +58,16 @@ class ServerProcess:
         model_args: tuple[str, ...] | None = None,
         prefix: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        tls: dict | None = None,
     ) -> None:
         """Start the server and wait until `wait_for` answers 200 (`/healthz`: only until it listens).
         `model_args` replace `--model-dir model_dir` (e.g. `--model-config-file F`); `prefix` runs
-        it under another command (e.g. `setpriv` to drop privileges); `env` is added to the environment."""
+        it under another command (e.g. `setpriv` to drop privileges); `env` is added to the environment;
+        `tls`: requests' `verify` (and `cert`) for a server started with --tls-cert, whose `url` is
+        then https://localhost:PORT."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls or {}
+        self.url = f"https://localhost:{self.port}" if tls else f"http://127.0.0.1:{self.port}"
         self.grpc_target = None
         if grpc:
             grpc_port = free_port()
@@ -90,7 +94,7 @@ class ServerProcess:
         self.wait_ready(ready_timeout, wait_for)
 
     def wait_ready(self, timeout: float, path: str = "/readyz") -> None:
-        if poll_ready(self.url, timeout, lambda: self.proc.poll() is None, path) is not None:
+        if poll_ready(self.url, timeout, lambda: self.proc.poll() is None, path, **self.tls) is not None:
             return
         if self.proc.poll() is not None:
             raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")

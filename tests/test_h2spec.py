@@ -1,6 +1,6 @@
 """The gRPC port against h2spec, the HTTP/2 conformance suite (`third_party/h2spec`, built here with
-Debian's Go packages by its `build` script), every case including the strict ones: none may fail
-or be skipped.
+Debian's Go packages by its `build` script), every case including the strict ones, in plaintext
+and over TLS: none may fail or be skipped.
 
 Where Go cannot be installed the test skips, saying so, unless SERVE_REQUIRE_H2SPEC is set (CI
 sets it: there the tier always runs)."""
@@ -13,6 +13,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 from serve_process import REPO, ServerProcess
+from tls_certs import make_pki
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +32,18 @@ def h2spec() -> str:
     return built.stdout.strip().splitlines()[-1]
 
 
-def test_the_grpc_port_passes_every_h2spec_case(h2spec, model_base, tmp_path):
-    server = ServerProcess(model_base, grpc=True, log_path=tmp_path / "serve.log")
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
+def test_the_grpc_port_passes_every_h2spec_case(h2spec, model_base, tmp_path, tls):
+    args, h2spec_tls = (), []
+    if tls:  # h2spec -t: TLS with ALPN h2 (-k: it does not know the test CA)
+        pki = make_pki(tmp_path / "pki")
+        args, h2spec_tls = ("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)), ["-t", "-k"]
+    server = ServerProcess(model_base, *args, grpc=True, log_path=tmp_path / "serve.log",
+                           tls={"verify": str(pki.ca)} if tls else None)
     report = tmp_path / "h2spec.xml"
     try:
         host, port = server.grpc_target.rsplit(":", 1)
-        run = subprocess.run([h2spec, "--strict", "-h", host, "-p", port, "-o", "5", "-j", str(report)],
+        run = subprocess.run([h2spec, "--strict", *h2spec_tls, "-h", host, "-p", port, "-o", "5", "-j", str(report)],
                              capture_output=True, text=True, timeout=600)
     finally:
         assert server.stop() == 0, server.log()

@@ -292,7 +292,8 @@ def test_a_model_without_a_base_path_does_not_make_the_server_unready(model_base
 
     write((MODEL_NAME, str(model_base)))
     srv = ServerProcess(model_base, "--poll-interval", "0.2", "--model-config-file-poll-wait-seconds", "0.2",
-                        grpc=True, model_args=("--model-config-file", str(config)), log_path=tmp_path / "serve.log")
+                        "--model-root", f"{model_base.parent},{tmp_path}", grpc=True,
+                        model_args=("--model-config-file", str(config)), log_path=tmp_path / "serve.log")
     try:
         write((MODEL_NAME, str(model_base)), ("ghost", str(tmp_path / "no-such-dir")))
         end = time.monotonic() + 30

@@ -146,16 +146,16 @@ def test_model_dir_and_config_file_exclude_each_other(tmp_path):
 
 
 def test_grpc_reload_config_replaces_the_models(bases, tmp_path):
-    """ModelService.HandleReloadConfigRequest with the official stub: the same validation and
-    behaviour as a change of the file."""
+    """ModelService.HandleReloadConfigRequest with the official stub, --model-management on: the
+    same validation and behaviour as a change of the file."""
     from google.protobuf import text_format
     from tensorflow_serving.apis import model_management_pb2
     from tensorflow_serving.config import model_server_config_pb2
 
     config = tmp_path / "models.config"
     write_config(config, f'model_config_list {{ config {{ name: "alpha" base_path: "{bases["alpha"]}" }} }}')
-    srv = ServerProcess(Path("unused"), "--poll-interval", "0.2", grpc=True, log_path=tmp_path / "serve.log",
-                        model_args=("--model-config-file", str(config)))
+    srv = ServerProcess(Path("unused"), "--poll-interval", "0.2", "--model-management", grpc=True,
+                        log_path=tmp_path / "serve.log", model_args=("--model-config-file", str(config)))
     try:
         stub = model_service_pb2_grpc.ModelServiceStub(grpc.insecure_channel(srv.grpc_target))
         wanted = model_server_config_pb2.ModelServerConfig()
@@ -174,3 +174,114 @@ def test_grpc_reload_config_replaces_the_models(bases, tmp_path):
         assert model_list(srv) == {"gamma": [("1", "AVAILABLE")]}
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+# -- who may reload, and from where -------------------------------------------------------------------
+
+def reload_request(**models: Path):  # noqa: ANN201 - a ReloadConfigRequest
+    from tensorflow_serving.apis import model_management_pb2
+
+    request = model_management_pb2.ReloadConfigRequest()
+    for name, base in models.items():
+        entry = request.config.model_config_list.config.add()
+        entry.name, entry.base_path, entry.model_platform = name, str(base), "tensorflow"
+    return request
+
+
+def test_reload_config_is_refused_unless_model_management_is_on(bases, tmp_path):
+    srv = ServerProcess(bases["alpha"], "--poll-interval", "0", grpc=True, log_path=tmp_path / "serve.log")
+    try:
+        stub = model_service_pb2_grpc.ModelServiceStub(grpc.insecure_channel(srv.grpc_target))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.HandleReloadConfigRequest(reload_request(etc=Path("/etc")), timeout=30)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "--model-management" in info.value.details() and "/etc" not in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:  # not even its config is read
+            stub.HandleReloadConfigRequest(reload_request(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert model_list(srv) == {"alpha": [("2", "AVAILABLE")]}
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "/etc" not in srv.log(full=True)
+
+
+def test_reload_config_reaches_every_worker_and_stays_under_the_root(bases, tmp_path):
+    """--workers 2: the call answers once both workers serve the new models, so every connection
+    sees them at once; a worker restarted afterwards serves them too. A base path outside the
+    root (default: the directory holding the models configured at start) is INVALID_ARGUMENT
+    naming the root, and nothing under it is looked at or logged."""
+    import os
+    import re
+    import signal
+
+    root = bases["alpha"].parent
+    srv = ServerProcess(bases["alpha"], "--poll-interval", "0.2", "--model-management", "--workers", "2",
+                        grpc=True, log_path=tmp_path / "serve.log")
+    try:
+        end = time.monotonic() + 60
+        while srv.log().count(" live after ") < 2 and time.monotonic() < end:
+            time.sleep(0.1)
+        stub = model_service_pb2_grpc.ModelServiceStub(grpc.insecure_channel(srv.grpc_target))
+        response = stub.HandleReloadConfigRequest(reload_request(alpha=bases["alpha"], gamma=bases["gamma"]),
+                                                  timeout=60)
+        assert response.status.error_code == 0, response
+        for _ in range(20):  # new connections, spread over both workers: each already knows gamma
+            r = requests.get(f"{srv.url}/v1/models", timeout=10, headers={"Connection": "close"})
+            assert sorted(m["name"] for m in r.json()["models"]) == ["alpha", "gamma"], r.text
+        end = time.monotonic() + 60
+        while not all(predict(srv, "gamma").status_code == 200 for _ in range(10)):
+            assert time.monotonic() < end, srv.log()
+            time.sleep(0.2)
+
+        outside = tmp_path / "elsewhere" / "secret"
+        shutil.copytree(bases["gamma"], outside)
+        link = root / "inside-but-links-out"
+        if not link.exists():
+            link.symlink_to(outside)
+        for base in (outside, Path("/etc"), root / ".." / root.name / ".." / "x", link):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.HandleReloadConfigRequest(reload_request(alpha=bases["alpha"], evil=base), timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = info.value.details()
+            assert f"config[1] (evil): base_path is outside {os.path.realpath(root)}" in details, details
+            assert "--model-root" in details and str(base) not in details and "secret" not in details
+
+        pids = [int(p) for p in re.search(r"\(pids ([\d, ]+);", srv.log()).group(1).split(", ")]
+        os.kill(pids[1], signal.SIGKILL)
+        end = time.monotonic() + 90
+        while srv.log().count(" live after ") < 6:  # the new worker loads alpha and gamma
+            assert time.monotonic() < end, srv.log()
+            time.sleep(0.2)
+        for _ in range(20):
+            r = requests.get(f"{srv.url}/v1/models", timeout=10, headers={"Connection": "close"})
+            assert sorted(m["name"] for m in r.json()["models"]) == ["alpha", "gamma"], r.text
+    finally:
+        srv.stop()
+    log = srv.log(full=True)
+    assert "secret" not in log and "/etc" not in log
+
+
+def test_a_config_file_change_outside_the_root_is_refused(bases, tmp_path):
+    config = tmp_path / "models.config"
+    entry = 'config {{ name: "{}" base_path: "{}" }}'
+    write_config(config, f"model_config_list {{ {entry.format('alpha', bases['alpha'])} }}")
+    srv = ServerProcess(Path("unused"), "--poll-interval", "0", "--model-config-file-poll-wait-seconds", "0.2",
+                        "--model-root", str(bases["alpha"]), log_path=tmp_path / "serve.log",
+                        model_args=("--model-config-file", str(config)))
+    try:
+        write_config(config, "model_config_list { %s %s }" % (entry.format("alpha", bases["alpha"]),
+                                                              entry.format("beta", bases["beta"])))
+        end = time.monotonic() + 30
+        while "keeping the models already served" not in srv.log():
+            assert time.monotonic() < end, srv.log()
+            time.sleep(0.1)
+        assert "config[1] (beta): base_path is outside" in srv.log() and str(bases["beta"]) not in srv.log()
+        assert model_list(srv) == {"alpha": [("2", "AVAILABLE")]}
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_a_model_root_that_is_not_a_directory_stops_the_start(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "serve", "--model-root", str(tmp_path / "nowhere"), "--port", "0",
+                          "--model-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"--model-root {tmp_path / 'nowhere'}: not a directory" in out.stderr, out.stderr

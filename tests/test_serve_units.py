@@ -519,3 +519,27 @@ asyncio.run(main())
                           cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     warnings, opened = map(int, done.stdout.split())
     assert opened == 0 and 1 <= warnings <= 10, done.stdout + done.stderr  # one try per PAUSE_ON_ERROR_S
+
+
+# -- model roots ---------------------------------------------------------------------------------
+
+def test_model_roots_default_to_the_directories_holding_the_models(tmp_path):
+    from serve.core.model_config_file import ModelConfigError, check_roots, model_roots
+
+    (tmp_path / "models" / "a").mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "models" / "escape").symlink_to(tmp_path / "other")
+    config = ServeConfig(model_dir=str(tmp_path / "models" / "a"))
+    roots = model_roots(config, [ModelSource.from_config(config)])
+    assert roots == (str(tmp_path / "models"),)
+    check_roots([ModelSource("b", str(tmp_path / "models" / "b"))], roots, "here")  # beside it: allowed
+    for outside in (tmp_path / "other", tmp_path / "models" / "escape", tmp_path / "models" / ".." / "other",
+                    tmp_path / "models-evil"):
+        with pytest.raises(ModelConfigError, match=r"here: model_config_list.config\[1\] \(x\): base_path is "
+                                                    r"outside .*models, where this server takes models from"):
+            check_roots([ModelSource("b", str(tmp_path / "models" / "b")), ModelSource("x", str(outside))],
+                        roots, "here")
+    explicit = ServeConfig(model_dir=str(tmp_path / "models" / "a"), model_roots=(str(tmp_path / "other"),))
+    assert model_roots(explicit, []) == (str(tmp_path / "other"),)
+    with pytest.raises(ModelConfigError, match="--model-root .*nowhere: not a directory"):
+        model_roots(ServeConfig(model_dir="m", model_roots=(str(tmp_path / "nowhere"),)), [])

@@ -27,10 +27,12 @@ from common.tf_serving import CLASSIFY_METHOD, EXPLAIN_SIGNATURE
 from serve.config import ServeConfig
 from serve.core.batcher import Batcher
 from serve.core.dtypes import NUMPY_DTYPES, bytes_array, dtype_name, short_dtype
-from serve.core.errors import InvalidArgument, NotFound, Overloaded, ServingError, Unavailable
+from serve.core.errors import InvalidArgument, NotFound, Overloaded, PermissionDenied, ServingError, Unavailable
 from serve.core.loaded_model import LoadedModel, Signature, TensorInfo
-from serve.core.metrics import Metrics, PeerMetrics
+from serve.core.metrics import Metrics, merge_worker_metrics
+from serve.core.model_config_file import ModelConfigError, check_roots, model_roots
 from serve.core.model_versions import ModelSource, ModelVersions, VersionStatus
+from serve.core.peers import Peers
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +92,11 @@ class ServingCore:
         self.metrics.queued_rows.set_function(lambda: sum(b.queued_rows for b in self.batchers.values()))
         self._draining = False
         self._started = False
-        self.peers: PeerMetrics | None = None
-        """Set by one of several workers: a scrape then returns every worker's metrics."""
+        self.peers: Peers | None = None
+        """Set by one of several workers: a scrape then returns every worker's metrics, and a
+        reload reaches every worker."""
+        self.roots = config.model_roots if config.model_roots else model_roots(config, sources)
+        """Where reloaded models may come from (resolved)."""
 
     def _add(self, source: ModelSource) -> None:
         self.models[source.name] = ModelVersions(source, self.config, on_change=self._on_model_change)
@@ -141,6 +146,30 @@ class ServingCore:
         if self.default_model not in self.models and sources:
             self.default_model = sources[0].name
 
+    def check_model_management(self) -> None:
+        """PermissionDenied unless the operator enabled model management (before a request's config
+        is even read: a client that may not reload learns nothing from its errors)."""
+        if not self.config.model_management:
+            raise PermissionDenied("model management is off on this server (start it with --model-management "
+                                   "to allow HandleReloadConfigRequest)")
+
+    def check_sources(self, sources: Sequence[ModelSource], origin: str) -> None:
+        """ModelConfigError if a base path lies outside the server's model roots."""
+        check_roots(sources, self.roots, origin)
+
+    async def reload_models(self, sources: Sequence[ModelSource], origin: str) -> None:
+        """A client's new set of models, applied by every worker before this returns (see
+        `Peers.apply_everywhere`); InvalidArgument for a base path outside the model roots."""
+        self.check_model_management()
+        try:
+            self.check_sources(sources, origin)
+        except ModelConfigError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if self.peers is not None:
+            await self.peers.apply_everywhere(list(sources))
+        else:
+            await self.apply_sources(sources)
+
     @property
     def ready(self) -> bool:
         return self.readiness().ready
@@ -166,8 +195,10 @@ class ServingCore:
         self._draining = True
 
     async def metrics_text(self) -> bytes:
-        """The Prometheus exposition: this process's, or every worker's (see `PeerMetrics`)."""
-        return await self.peers.render_all() if self.peers is not None else self.metrics.render()
+        """The Prometheus exposition: this process's, or every worker's (`serve.core.peers`)."""
+        if self.peers is None:
+            return self.metrics.render()
+        return merge_worker_metrics(await self.peers.metrics_of_all())
 
     async def close(self) -> None:
         self._draining = True

@@ -57,6 +57,12 @@ class NotFound(ServingError, LookupError):
     code = Code.NOT_FOUND
 
 
+class PermissionDenied(ServingError, PermissionError):
+    """An operation the server's flags do not allow (model management while it is off)."""
+
+    code = Code.PERMISSION_DENIED
+
+
 class Overloaded(ServingError):
     """The queue of pending work is full; safe to retry after a short wait."""
 
@@ -88,6 +94,7 @@ __all__ = [
     "ServingError",
     "InvalidArgument",
     "NotFound",
+    "PermissionDenied",
     "Overloaded",
     "Unavailable",
     "DeadlineExceeded",

@@ -1,17 +1,14 @@
 """Prometheus metrics, one registry per ServingCore (so several cores can live in one process).
 
-With `--workers N` every worker keeps its own registry and answers a sibling's request for it on
-a Unix socket in a directory the supervisor made (`PeerMetrics`); whichever worker a scrape lands on
-returns all of them, each series labelled `worker="i"` (sum without(worker) for the server). A
+With `--workers N` every worker keeps its own registry and answers a sibling's request for it
+(`serve.core.peers`); whichever worker a scrape lands on returns all of them, each series labelled `worker="i"` (sum without(worker) for the server). A
 worker being restarted is left out of that scrape, and its counters start again from zero, as
 Prometheus expects of a restarted target.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401 - re-exported for the app
@@ -24,9 +21,6 @@ from prometheus_client import (
 from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger(__name__)
-
-PEER_TIMEOUT_S = 1.0
-"""How long a scrape waits for a sibling worker's metrics before leaving them out."""
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -96,60 +90,6 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class PeerMetrics:
-    """This worker's metrics for its siblings, and theirs for a scrape: one Unix socket per worker,
-    `worker-I.sock` in `directory`; a connection gets the registry's text and is closed."""
-
-    def __init__(self, metrics: Metrics, directory: str, index: int, workers: int) -> None:
-        self.metrics, self.directory, self.index, self.workers = metrics, directory, index, workers
-        self._server: asyncio.AbstractServer | None = None
-
-    def _path(self, index: int) -> str:
-        return os.path.join(self.directory, f"worker-{index}.sock")
-
-    async def start(self) -> None:
-        path = self._path(self.index)
-        if os.path.exists(path):
-            os.unlink(path)  # left by this worker's predecessor
-
-        async def answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            writer.write(self.metrics.render())
-            await writer.drain()
-            writer.close()
-
-        self._server = await asyncio.start_unix_server(answer, path)
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        try:
-            os.unlink(self._path(self.index))
-            os.rmdir(self.directory)  # the last worker out removes it, also when the supervisor was killed
-        except OSError:
-            pass
-
-    async def render_all(self) -> bytes:
-        """Every worker's metrics that answer within PEER_TIMEOUT_S, labelled by worker."""
-        texts = {self.index: self.metrics.render()}
-        fetched = await asyncio.gather(*(self._fetch(i) for i in range(self.workers) if i != self.index))
-        texts.update((i, text) for i, text in fetched if text is not None)
-        return merge_worker_metrics(texts)
-
-    async def _fetch(self, index: int) -> tuple[int, bytes | None]:
-        async def fetch() -> bytes:
-            reader, writer = await asyncio.open_unix_connection(self._path(index))
-            data = await reader.read()
-            writer.close()
-            return data
-
-        try:
-            return index, await asyncio.wait_for(fetch(), PEER_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as exc:
-            log.debug("metrics of worker %d left out of this scrape: %s", index, exc)
-            return index, None
 
 
 class _Families:

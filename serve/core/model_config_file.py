@@ -20,7 +20,9 @@ Fields this server has no use for (logging_config, ...) are accepted and ignored
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
+from typing import Sequence
 
 from serve.config import ServeConfig
 from serve.core.model_versions import ModelSource
@@ -83,6 +85,31 @@ def _source(entry, where: str) -> ModelSource:
             raise ModelConfigError(f"{where} ({entry.name}): specific {{ versions }} lists no version")
     labels = tuple(sorted((label, int(version)) for label, version in entry.version_labels.items()))
     return ModelSource(entry.name, entry.base_path, kind, versions, labels, num_latest)
+
+
+def model_roots(config: ServeConfig, sources: Sequence[ModelSource]) -> tuple[str, ...]:
+    """The directories reloads may take models from, resolved (symlinks followed): --model-root,
+    else the directories holding the models configured at start (`/models` for `/models/sentiment`:
+    a model may be added beside them, nothing elsewhere). ModelConfigError for a root that is not
+    a directory."""
+    if config.model_roots:
+        for root in config.model_roots:
+            if not os.path.isdir(root):
+                raise ModelConfigError(f"--model-root {root}: not a directory")
+        roots = config.model_roots
+    else:
+        roots = [os.path.dirname(os.path.abspath(source.base_path)) for source in sources]
+    return tuple(dict.fromkeys(os.path.realpath(root) for root in roots))
+
+
+def check_roots(sources: Sequence[ModelSource], roots: Sequence[str], origin: str) -> None:
+    """ModelConfigError naming the roots (not the path asked for) if a base path lies outside them;
+    checked before anything under a base path is listed, read or logged."""
+    for i, source in enumerate(sources):
+        path = os.path.realpath(source.base_path)
+        if not any(os.path.commonpath([path, root]) == root for root in roots):
+            raise ModelConfigError(f"{origin}: model_config_list.config[{i}] ({source.name}): base_path is outside "
+                                   f"{', '.join(roots)}, where this server takes models from (--model-root)")
 
 
 def config_sources(config: ServeConfig) -> list[ModelSource]:

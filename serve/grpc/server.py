@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import socket
+import struct
 
 from serve.config import ServeConfig
 from serve.core.dataplane import ServingCore
@@ -22,11 +23,19 @@ from serve.grpc.connection import GrpcConnection, GrpcService
 from serve.grpc.health import HEALTH_FAREWELL_S, Health
 from serve.grpc.tf_serving import GrpcApi
 from serve.host import ConnectionHost, PortLimits
+from serve.http2.frames import GOAWAY, PROTOCOL_ERROR, frame
 from serve.http2.machine import Limits
 from serve.sockets import AcceptGate
+from serve.tls import tls_for
 
 log = logging.getLogger(__name__)
 
+PLAINTEXT_ANSWER = frame(GOAWAY, 0, 0, struct.pack(">LL", 0, PROTOCOL_ERROR)
+                                                  + b"this port speaks TLS: use a secure channel")
+"""What a plaintext HTTP/2 client gets on a TLS gRPC port before the connection closes: a GOAWAY
+without the SETTINGS a server must send first, so that grpcio fails the call at once (UNAVAILABLE,
+"Expected SETTINGS frame") instead of reconnecting in a tight loop, as it does after a GOAWAY that
+follows SETTINGS."""
 STREAM_WINDOW = 1 << 20
 """Each call's receive window; a message larger than it is credited as it arrives."""
 
@@ -49,8 +58,10 @@ class GrpcServer:
         self.host = ConnectionHost("gRPC", PortLimits.of(config, grpc=True),
                                    report=functools.partial(core.metrics.connection_event, "grpc"))
         service = GrpcService(methods, http2_limits(config), config.max_body_bytes, config.grpc_max_header_bytes)
+        self.tls = tls_for(config, "grpc")
         self.gate = AcceptGate(sock, functools.partial(GrpcConnection, self.host, service), lambda: self.host.open,
-                               loads=loads, index=index)
+                               loads=loads, index=index, tls=self.tls, handshake_timeout_s=config.header_timeout_s,
+                               plaintext_answer=PLAINTEXT_ANSWER)
         self.host.on_change = self.gate.publish
         self.host.excess = self.gate.excess
         self.port = sock.getsockname()[1]
@@ -58,8 +69,8 @@ class GrpcServer:
     async def start(self) -> "GrpcServer":
         self.host.start()
         self.gate.start()
-        log.info("gRPC on %s:%d (PredictionService, ModelService, GRPCInferenceService, Health)",
-                 self.config.host, self.port)
+        log.info("gRPC on %s:%d%s (PredictionService, ModelService, GRPCInferenceService, Health)",
+                 self.config.host, self.port, " over TLS" if self.tls else "")
         return self
 
     async def stop(self, grace_s: float) -> int:

@@ -157,13 +157,16 @@ class GrpcApi:
 
     async def handle_reload_config(self, request: model_management_pb2.ReloadConfigRequest, _context):
         """Replace the served models with the request's ModelServerConfig, as a change of
-        --model-config-file would: the same validation, new models load while the others serve."""
+        --model-config-file would (the same validation; new models load while the others serve),
+        on every worker; only with --model-management, and only from under the model roots."""
+        self.core.check_model_management()
+        origin = "ReloadConfigRequest.config"
         try:
-            sources = sources_from_config(request.config, "ReloadConfigRequest.config")
+            sources = sources_from_config(request.config, origin)
         except ModelConfigError as exc:
             raise InvalidArgument(str(exc)) from None
+        await self.core.reload_models(sources, origin)
         log.info("gRPC ReloadConfig: serving %s", ", ".join(s.name for s in sources))
-        await self.core.apply_sources(sources)
         return model_management_pb2.ReloadConfigResponse()  # status: error_code OK
 
     # -- plumbing ----------------------------------------------------------------------------------
