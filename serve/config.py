@@ -85,6 +85,16 @@ class ServeConfig:
     tls_client_auth: Literal["required", "optional"] = option(
         "required", "with --tls-client-ca: required, or optional (a certificate is verified when a client sends one)")
 
+    auth_token_file: str = option(
+        "", "bearer tokens, one per line, re-read when the file changes: inference, metadata and metrics then "
+            "need Authorization: Bearer TOKEN (gRPC metadata authorization); health and readiness stay open",
+        metavar="FILE")
+    admin_token_file: str = option(
+        "", "with --auth-token-file and --model-management: the tokens that may manage models (API tokens may not)",
+        metavar="FILE")
+    metrics_open: bool = option(False, "with --auth-token-file: serve /monitoring/prometheus/metrics without a token "
+                                       "(for a Prometheus that cannot send one)")
+
     max_connections: int = option(
         1024, "open connections per worker on each port; past it a new REST connection gets an immediate 503, "
               "a new gRPC one a GOAWAY"
@@ -189,6 +199,11 @@ class ServeConfig:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (client certificates are a part of TLS)")
         if self.tls_client_auth not in ("required", "optional"):
             raise ValueError(f"--tls-client-auth {self.tls_client_auth!r}: expected required or optional")
+        if (self.admin_token_file or self.metrics_open) and not self.auth_token_file:
+            raise ValueError("--admin-token-file and --metrics-open only apply with --auth-token-file")
+        if self.auth_token_file and self.model_management and not self.admin_token_file:
+            raise ValueError("--model-management with --auth-token-file needs --admin-token-file: the tokens that "
+                             "may replace the served models, apart from those that may only query them")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"--log-level {self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
 

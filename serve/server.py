@@ -12,6 +12,7 @@ import sys
 
 from common.cpus import usable_cpus
 from serve.config import DEFAULT_MODEL_DIR, EXIT_STARTUP, ServeConfig, configure_logging
+from serve.core.auth import TokenFileError, authorizer_for
 from serve.core.model_config_file import ModelConfigError, config_sources, model_roots
 from serve.sockets import StartupError, bind_socket
 from serve.tls import TlsError, build_context
@@ -31,9 +32,10 @@ def serve(config: ServeConfig) -> int:
         config = dataclasses.replace(config, model_roots=model_roots(config, sources))  # fixed from now on
         if config.tls_cert_file:
             build_context(config, "rest")  # unusable certificate files stop here too
+        authorizer_for(config)  # and unusable token files
         sock = bind_socket(config.host, config.port)
         grpc_sock = bind_socket(config.host, config.grpc_port, "--grpc-port") if config.grpc_port else None
-    except (StartupError, ModelConfigError, TlsError) as exc:
+    except (StartupError, ModelConfigError, TlsError, TokenFileError) as exc:
         print(f"serve: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
     if config.workers == 0:

@@ -246,7 +246,7 @@ def test_reload_config_reaches_every_worker_and_stays_under_the_root(bases, tmp_
             assert f"config[1] (evil): base_path is outside {os.path.realpath(root)}" in details, details
             assert "--model-root" in details and str(base) not in details and "secret" not in details
 
-        pids = [int(p) for p in re.search(r"\(pids ([\d, ]+);", srv.log()).group(1).split(", ")]
+        pids = [int(p) for p in re.search(r"\(pids ([\d, ]+);", srv.log(full=True)).group(1).split(", ")]
         os.kill(pids[1], signal.SIGKILL)
         end = time.monotonic() + 90
         while srv.log().count(" live after ") < 6:  # the new worker loads alpha and gamma

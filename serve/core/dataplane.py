@@ -25,6 +25,7 @@ import numpy as np
 from common.classes import CLASS_NAMES
 from common.tf_serving import CLASSIFY_METHOD, EXPLAIN_SIGNATURE
 from serve.config import ServeConfig
+from serve.core.auth import authorizer_for
 from serve.core.batcher import Batcher
 from serve.core.dtypes import NUMPY_DTYPES, bytes_array, dtype_name, short_dtype
 from serve.core.errors import InvalidArgument, NotFound, Overloaded, PermissionDenied, ServingError, Unavailable
@@ -97,6 +98,8 @@ class ServingCore:
         reload reaches every worker."""
         self.roots = config.model_roots if config.model_roots else model_roots(config, sources)
         """Where reloaded models may come from (resolved)."""
+        self.auth = authorizer_for(config)
+        """Who may call what (--auth-token-file); every edge of this worker asks it."""
 
     def _add(self, source: ModelSource) -> None:
         self.models[source.name] = ModelVersions(source, self.config, on_change=self._on_model_change)

@@ -43,6 +43,9 @@ def echo(text: str) -> str:
 class CallContext(Protocol):
     """What a handler may ask of its call (`serve.grpc.connection.Call`)."""
 
+    authorization: bytes | None
+    """The call's `authorization` metadata, if it sent one."""
+
     def time_remaining(self) -> float | None:
         """Seconds left before the client's deadline, or None if it set none."""
 
@@ -64,6 +67,7 @@ class CallHead(NamedTuple):
     """(HTTP status, message) for a request that is not gRPC at all: it gets a plain HTTP answer."""
     encoding: bytes
     timeout_s: float | None
+    authorization: bytes | None
 
 
 def call_head(head: RequestHead) -> CallHead:
@@ -80,7 +84,7 @@ def call_head(head: RequestHead) -> CallHead:
         problem = (415, "this port speaks gRPC: requests need content-type application/grpc")
     timeout = head.get(b"grpc-timeout")
     known = head.memo = CallHead(head.path.decode("utf-8", "replace"), problem, head.get(b"grpc-encoding", b""),
-                                 parse_timeout(timeout) if timeout else None)
+                                 parse_timeout(timeout) if timeout else None, head.get(b"authorization"))
     return known
 
 

@@ -89,7 +89,7 @@ class Call:
     """One gRPC call (an HTTP/2 stream); handlers get it as their context."""
 
     __slots__ = ("id", "method", "deadline", "encoding", "body", "size", "receiving", "task", "headers_sent",
-                 "closed", "problem", "opened", "_loop")
+                 "closed", "problem", "opened", "authorization", "_loop")
 
     def __init__(self, stream_id: int, method: str, deadline: float | None, loop: asyncio.AbstractEventLoop) -> None:
         self.id = stream_id
@@ -106,6 +106,8 @@ class Call:
         self.problem: tuple[int, str] | None = None
         """For a request that is not gRPC: the HTTP status and line it is answered with."""
         self.opened = loop.time()
+        self.authorization: bytes | None = None
+        """Its `authorization` metadata (--auth-token-file)."""
         self._loop = loop
 
     def time_remaining(self) -> float | None:
@@ -257,6 +259,7 @@ class GrpcConnection(asyncio.Protocol):
         deadline = None if head.timeout_s is None else self.loop.time() + head.timeout_s
         call = Call(event.stream_id, head.path, deadline, self.loop)
         call.encoding = head.encoding
+        call.authorization = head.authorization
         self._opened(call)
         call.receiving = not event.end_stream
         if head.problem is not None:

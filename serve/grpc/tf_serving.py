@@ -193,15 +193,20 @@ class GrpcApi:
 
     def _unary(self, route: str, message_class, handler: Handler):  # noqa: ANN001, ANN202
         """The method as the transport calls it: bytes in, bytes out, a ServingError (or a bug)
-        turned into an RpcError of the same code; counted in the metrics either way."""
+        turned into an RpcError of the same code; counted in the metrics either way. With
+        --auth-token-file the call's token is checked before its message is even decoded."""
         metrics = self.core.metrics
         label = f"grpc_{route}"
+        scope = SCOPES.get(route, "api")
+        auth = self.core.auth if self.core.auth.enabled and scope != "open" else None
 
         async def call(raw: bytes, context: CallContext) -> bytes:
             start = time.perf_counter()
             metrics.in_flight += 1
             code, message = Code.OK, ""
             try:
+                if auth is not None:
+                    auth.check(context.authorization, scope)
                 try:
                     request = message_class.FromString(raw)
                 except DecodeError:
@@ -224,6 +229,11 @@ class GrpcApi:
             raise RpcError(code, message)
 
         return call
+
+
+SCOPES = {"v2_live": "open", "v2_ready": "open", "v2_model_ready": "open", "reload_config": "admin"}
+"""Who may call a method with --auth-token-file (by its metrics route): `open` probes, `admin`
+model management, and every other method `api`. grpc.health.v1.Health is always open."""
 
 
 def _fill_spec(out, name: str, model: LoadedModel, signature_name: str) -> None:

@@ -18,5 +18,6 @@ def create_app(config: ServeConfig, core: ServingCore) -> App:
         max_body_bytes=config.max_body_bytes,
         cors_origins=config.cors_origins,
         access_log_enabled=config.access_log,
+        authorizer=core.auth,
     )
 

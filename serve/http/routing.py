@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 import orjson
 
 from serve.core import memory
+from serve.core.auth import Authorizer
 from serve.core.errors import Code, ServingError
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ def error_body(message: str) -> bytes:
 
 def error_response(exc: ServingError) -> Response:
     headers = [(b"retry-after", str(RETRY_AFTER_S).encode())] if exc.retryable else []
+    if exc.code is Code.UNAUTHENTICATED:
+        headers.append((b"www-authenticate", b'Bearer realm="sentiment-dtensor"'))
     return Response(error_body(exc.message), HTTP_STATUS.get(exc.code, 500), JSON, headers)
 
 
@@ -215,10 +218,14 @@ class Route:
     handler: Handler
     raw: bool = False
     """Match the raw (still URL-encoded) path, as TF Serving does for model names."""
+    scope: str = "api"
+    """Who may call it with --auth-token-file: `api` (a token), `metrics` (a token unless
+    --metrics-open) or `open` (probes and the page's own files: anyone)."""
 
     @classmethod
-    def of(cls, name: str, methods: str, pattern: str, handler: Handler, raw: bool = False) -> "Route":
-        return cls(name, frozenset(methods.split()), re.compile(pattern), handler, raw)
+    def of(cls, name: str, methods: str, pattern: str, handler: Handler, raw: bool = False,
+           scope: str = "api") -> "Route":
+        return cls(name, frozenset(methods.split()), re.compile(pattern), handler, raw, scope)
 
 
 class App:
@@ -226,8 +233,11 @@ class App:
     each answer once the connection has sent it."""
 
     def __init__(self, routes: Sequence[Route], *, metrics, max_body_bytes: int,
-                 cors_origins: Sequence[str] = (), access_log_enabled: bool = False) -> None:
+                 cors_origins: Sequence[str] = (), access_log_enabled: bool = False,
+                 authorizer: Authorizer | None = None) -> None:
         self.routes = list(routes)
+        self.auth = authorizer if authorizer is not None and authorizer.enabled else None
+        self.open_scopes = {"open", "metrics"} if authorizer is not None and authorizer.metrics_open else {"open"}
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.cors_origins = tuple(cors_origins)
@@ -262,6 +272,8 @@ class App:
         try:
             route = self._route(request)
             request.route_label = route.name
+            if self.auth is not None and route.scope not in self.open_scopes:
+                self.auth.check(request.header(b"authorization"))
             return await route.handler(request)
         except ServingError as exc:
             return error_response(exc)
@@ -316,4 +328,4 @@ async def _preflight(_request: Request) -> Response:
     return Response(b"", 200, b"text/plain")
 
 
-_PREFLIGHT = Route.of("preflight", "OPTIONS", "", _preflight)
+_PREFLIGHT = Route.of("preflight", "OPTIONS", "", _preflight, scope="open")

@@ -131,8 +131,8 @@ def routes(api: RestApi) -> list[Route]:
         Route.of("models", "POST", MODEL_VERB, api.models, raw=True),
         Route.of("models", "GET", MODEL_RESOURCE, api.models, raw=True),
         Route.of("sentiment", "POST", r"(?i)/v1/sentiment", api.sentiment),
-        Route.of("healthz", "GET", r"/healthz", api.healthz),
-        Route.of("readyz", "GET", r"/readyz", api.readyz),
-        Route.of("metrics", "GET", r"/monitoring/prometheus/metrics", api.metrics),
+        Route.of("healthz", "GET", r"/healthz", api.healthz, scope="open"),
+        Route.of("readyz", "GET", r"/readyz", api.readyz, scope="open"),
+        Route.of("metrics", "GET", r"/monitoring/prometheus/metrics", api.metrics, scope="metrics"),
         Route.of("openapi", "GET", r"/openapi.json", api.openapi),
     ]

@@ -62,7 +62,7 @@ class V2Api:
         return name, self.core.model(name)
 
     async def model(self, request: Request) -> Response:
-        verb = request.match["verb"]
+        verb = request.match.groupdict().get("verb")
         request.route_label = f"v2_{verb or 'metadata'}"
         name, model = self._model(request)
         if verb == "ready":
@@ -244,9 +244,10 @@ _MODEL = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
 def routes(api: V2Api) -> list[Route]:
     return [
         Route.of("v2_server", "GET", r"/v2/?", api.server_metadata),
-        Route.of("v2_live", "GET", r"/v2/health/live", api.live),
-        Route.of("v2_ready", "GET", r"/v2/health/ready", api.ready),
-        Route.of("v2_model", "GET", _MODEL + r"(?:/(?P<verb>ready))?", api.model, raw=True),
+        Route.of("v2_live", "GET", r"/v2/health/live", api.live, scope="open"),
+        Route.of("v2_ready", "GET", r"/v2/health/ready", api.ready, scope="open"),
+        Route.of("v2_model", "GET", _MODEL + r"/(?P<verb>ready)", api.model, raw=True, scope="open"),
+        Route.of("v2_model", "GET", _MODEL, api.model, raw=True),
         Route.of("v2_infer", "POST", _MODEL + r"/infer", api.infer, raw=True),
     ]
 

@@ -44,6 +44,6 @@ class WebPage:
 
 def routes(page: WebPage) -> list[Route]:
     return [
-        Route.of("web", "GET", r"/", page.index),
-        Route.of("web", "GET", r"/ui/(?P<asset>[^/]+)", page.asset),
+        Route.of("web", "GET", r"/", page.index, scope="open"),
+        Route.of("web", "GET", r"/ui/(?P<asset>[^/]+)", page.asset, scope="open"),
     ]
