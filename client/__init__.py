@@ -14,7 +14,8 @@ The REST transport (the default) needs only `requests`; `transport="grpc"` (TF S
 import logging
 
 from client.client import SentimentClient
-from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, InvalidURL, ModelNotFound, ServerUnavailable
+from client.exceptions import (ClientError, DeadlineExceeded, InvalidInput, InvalidURL, ModelNotFound, NotAuthorized,
+                               ServerUnavailable, TlsError)
 from client.results import Explanation, ModelVersionStatus, Prediction
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -26,6 +27,8 @@ __all__ = [
     "ModelVersionStatus",
     "ClientError",
     "InvalidURL",
+    "TlsError",
+    "NotAuthorized",
     "ModelNotFound",
     "InvalidInput",
     "ServerUnavailable",

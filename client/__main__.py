@@ -5,7 +5,8 @@ Prints one line per text: label, score (probability of the label) and the text, 
 label's log-odds, + for it, - against it); `--json` prints a JSON array of {text, label, score,
 probabilities} (and contributions, bias with --explain) instead.
 Exit status: 0 ok, 1 the request failed (invalid input, unknown model, deadline, server
-error), 2 usage error, 3 the server is down or unavailable.
+error, a refused token), 2 usage error (a bad option, a certificate that does not verify), 3 the server is
+down or unavailable.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import os
 import sys
 
-from client import ClientError, InvalidURL, SentimentClient, ServerUnavailable
+from client import ClientError, InvalidURL, NotAuthorized, SentimentClient, ServerUnavailable, TlsError
 from client.client import TRANSPORTS
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
@@ -43,8 +44,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also show the n-grams that drove each answer (rest or grpc transport)")
     p.add_argument("--top", type=int, default=5, metavar="K", help="n-grams shown per text with --explain (default: 5)")
     p.add_argument("--json", action="store_true", help="print a JSON array instead of text lines")
+    p.add_argument("--ca-file", default=os.environ.get("SENTIMENT_CA_FILE"), metavar="PEM",
+                   help="CA bundle that signed the server's certificate (default: $SENTIMENT_CA_FILE, else the "
+                        "system's); turns TLS on for the gRPC transports, REST needs an https:// --url")
+    p.add_argument("--cert", metavar="PEM", help="client certificate, for a server that asks for one (mTLS)")
+    p.add_argument("--key", metavar="PEM", help="the private key of --cert")
+    p.add_argument("--token-file", default=os.environ.get("SENTIMENT_TOKEN_FILE"), metavar="FILE",
+                   help="file holding the bearer token to send (default: $SENTIMENT_TOKEN_FILE; the token itself "
+                        "may be in $SENTIMENT_TOKEN instead)")
     p.add_argument("-v", "--verbose", action="store_true", help="log retries")
     args = p.parse_args(argv)
+    args.token = os.environ.get("SENTIMENT_TOKEN") or None
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                args.token = f.read().strip()
+        except OSError as exc:
+            p.error(f"--token-file {args.token_file}: {exc.strerror or exc}")
+        if not args.token or "\n" in args.token:
+            p.error(f"--token-file {args.token_file}: expected one token on one line")
+    if bool(args.cert) != bool(args.key):
+        p.error("--cert and --key go together: the client certificate and its private key")
     if args.file:
         try:
             stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
@@ -75,13 +95,18 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
     try:
         with SentimentClient(args.url, args.model, transport=args.transport, version=args.version,
-                             timeout=args.timeout, retries=args.retries, batch_size=args.batch_size) as client:
+                             timeout=args.timeout, retries=args.retries, batch_size=args.batch_size,
+                             ca_file=args.ca_file, cert_file=args.cert, key_file=args.key, token=args.token) as client:
             if args.wait > 0:
                 client.wait_until_ready(args.wait)
             predictions = client.explain(args.texts) if args.explain else client.predict(args.texts)
-    except InvalidURL as exc:  # a malformed --url, https:// to a plain-HTTP server
+    except (InvalidURL, TlsError) as exc:  # a malformed --url, https:// to a plain-HTTP server, a wrong CA
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except NotAuthorized as exc:
+        print(f"error: not authorized: {exc}\n(the server needs a valid token: --token-file FILE or $SENTIMENT_TOKEN)",
+              file=sys.stderr)
+        return EXIT_FAILED
     except ServerUnavailable as exc:
         print(f"error: server unavailable: {exc}\n(is the server running at {args.url}?)", file=sys.stderr)
         return EXIT_UNAVAILABLE

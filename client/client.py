@@ -31,6 +31,7 @@ import requests
 from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, ModelNotFound, ServerUnavailable
 from client.rest import RestTransport
 from client.results import CLASS_NAMES, Explanation, ModelVersionStatus, Prediction, RawExplanation, RawPrediction
+from client.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,11 @@ class SentimentClient:
         RESOURCE_EXHAUSTED), with exponential backoff and jitter, or the server's Retry-After.
         Other errors (400, 404, 500, deadlines) are never retried.
     batch_size: texts per request; `predict` splits longer lists into several requests.
+    ca_file: PEM bundle of the CAs that signed the server's certificate (default: the system's CAs);
+        REST needs an `https://` URL, gRPC turns TLS on (as does an `https://` or `grpcs://` target).
+    cert_file, key_file: a client certificate and its key, for servers that ask for one (mTLS).
+    token: a bearer token, sent as `Authorization: Bearer TOKEN` (gRPC: `authorization` metadata).
+    A certificate that does not verify raises `TlsError`; a refused token `NotAuthorized`.
     """
 
     def __init__(
@@ -77,6 +83,10 @@ class SentimentClient:
         pool_size: int = 10,
         class_names: Sequence[str] = CLASS_NAMES,
         session: requests.Session | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        token: str | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
@@ -98,9 +108,11 @@ class SentimentClient:
         self.max_backoff_s = max_backoff_s
         self.batch_size = batch_size
         self.class_names = tuple(class_names)
+        security = Security(ca_file, cert_file, key_file, token)
         self._transport: _Transport
         if transport == "rest":
-            self._transport = RestTransport(url, model, version, version_label, pool_size=pool_size, session=session)
+            self._transport = RestTransport(url, model, version, version_label, pool_size=pool_size, session=session,
+                                            security=security)
         else:
             try:
                 from client.grpc_transport import GrpcTransport, V2GrpcTransport
@@ -108,7 +120,7 @@ class SentimentClient:
                 raise ClientError(f"the gRPC transports need grpcio and protobuf "
                                   f"(pip install \"sentiment-client[grpc]\"): {exc}") from None
             kind = GrpcTransport if transport == "grpc" else V2GrpcTransport
-            self._transport = kind(url, model, version, version_label)
+            self._transport = kind(url, model, version, version_label, security)
 
     def __repr__(self) -> str:
         return f"SentimentClient({self.url!r}, model={self.model!r}, transport={self.transport!r})"

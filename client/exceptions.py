@@ -29,6 +29,17 @@ class InvalidURL(ClientError, ValueError):
     plain-HTTP server. A usage error: fix the URL."""
 
 
+class TlsError(ClientError):
+    """The TLS handshake failed: the server's certificate does not verify against the CA bundle
+    (`ca_file`, else the system's), names another host, or the server wants a client certificate
+    it was not given or does not trust. A configuration error: retrying cannot help."""
+
+
+class NotAuthorized(ClientError, PermissionError):
+    """The server refused the caller: no valid bearer token (401 / UNAUTHENTICATED) or an operation
+    it does not allow (403 / PERMISSION_DENIED). Pass `token=` (CLI: --token-file, $SENTIMENT_TOKEN)."""
+
+
 class ModelNotFound(ClientError, LookupError):
     """The model, version, label or signature does not exist on the server (404 / NOT_FOUND)."""
 
@@ -48,4 +59,4 @@ class DeadlineExceeded(ClientError, TimeoutError):
     DEADLINE_EXCEEDED). Predictions have no side effects, so retrying is safe."""
 
 
-__all__ = ["ClientError", "InvalidURL", "ModelNotFound", "InvalidInput", "ServerUnavailable", "DeadlineExceeded"]
+__all__ = ["ClientError", "InvalidURL", "TlsError", "NotAuthorized", "ModelNotFound", "InvalidInput", "ServerUnavailable", "DeadlineExceeded"]

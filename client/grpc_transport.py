@@ -13,7 +13,8 @@ from typing import Any, Sequence
 import grpc
 from google.protobuf import json_format
 
-from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, ModelNotFound, ServerUnavailable
+from client.exceptions import (ClientError, DeadlineExceeded, InvalidInput, ModelNotFound, NotAuthorized,
+                               ServerUnavailable, TlsError)
 from client.protos import (
     get_model_metadata_pb2,
     get_model_status_pb2,
@@ -26,6 +27,7 @@ from client.protos import (
     types_pb2,
 )
 from client.results import EXPLAIN_SIGNATURE, ModelVersionStatus, RawExplanation, RawPrediction
+from client.security import NO_SECURITY, Security
 
 _MAX_MESSAGE = 64 * 1024 * 1024
 _STATES = get_model_status_pb2.ModelVersionStatus.State
@@ -33,22 +35,41 @@ _ERROR_CODES = status_pb2.StatusProto.DESCRIPTOR.fields_by_name["error_code"].en
 _FLOAT_FIELDS = {types_pb2.DT_FLOAT: ("float_val", "<f"), types_pb2.DT_DOUBLE: ("double_val", "<d")}
 
 
-def _channel(target: str) -> tuple[str, grpc.Channel]:
-    for scheme in ("grpc://", "http://", "https://"):
-        if target.startswith(scheme):
-            target = target[len(scheme):]
-    target = target.rstrip("/")
-    return target, grpc.insecure_channel(target, options=[
-        ("grpc.max_receive_message_length", _MAX_MESSAGE),
-        ("grpc.max_send_message_length", _MAX_MESSAGE),
-    ])
+class _Endpoint:
+    """One gRPC server as a transport talks to it: its channel (TLS for `https://` or `grpcs://`
+    targets, or with a CA bundle or client certificate) and the metadata every call carries."""
+
+    def __init__(self, target: str, security: Security) -> None:
+        tls = target.startswith(("https://", "grpcs://")) or security.tls_files_given
+        for scheme in ("grpcs://", "grpc://", "http://", "https://"):
+            if target.startswith(scheme):
+                target = target[len(scheme):]
+        self.target = target.rstrip("/")
+        self.security = security
+        self.tls = tls
+        options = [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)]
+        if tls:
+            credentials = grpc.ssl_channel_credentials(security.read("ca_file"), security.read("key_file"),
+                                                       security.read("cert_file"))
+            self.channel = grpc.secure_channel(self.target, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(self.target, options=options)
+        self.metadata = (("authorization", security.authorization),) if security.authorization else None
+
+    def call(self, method, request, timeout: float):  # noqa: ANN001, ANN201
+        try:
+            return method(request, timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise _grpc_error(exc, self) from None
 
 
 class GrpcTransport:
     """TF Serving's gRPC API: works against `python -m serve --grpc-port` and `tensorflow_model_server`."""
 
-    def __init__(self, target: str, model: str, version: int | None, version_label: str | None) -> None:
-        self.target, self._channel = _channel(target)
+    def __init__(self, target: str, model: str, version: int | None, version_label: str | None,
+                 security: Security = NO_SECURITY) -> None:
+        self._endpoint = _Endpoint(target, security)
+        self.target, self._channel = self._endpoint.target, self._endpoint.channel
         self.model = model
         self.version = version
         self.version_label = version_label
@@ -65,7 +86,7 @@ class GrpcTransport:
         text.dtype = types_pb2.DT_STRING
         text.tensor_shape.dim.add().size = len(texts)
         text.string_val.extend(t.encode("utf-8") for t in texts)
-        return _call(self._predict.Predict, request, timeout, self.target).outputs
+        return self._endpoint.call(self._predict.Predict, request, timeout).outputs
 
     def _spec(self, spec, signature_name: str | None = None) -> None:  # noqa: ANN001 - a ModelSpec
         spec.name = self.model
@@ -110,7 +131,7 @@ class GrpcTransport:
     def status(self, timeout: float) -> list[ModelVersionStatus]:
         request = get_model_status_pb2.GetModelStatusRequest()
         self._spec(request.model_spec)
-        response = _call(self._models.GetModelStatus, request, timeout, self.target)
+        response = self._endpoint.call(self._models.GetModelStatus, request, timeout)
         return [
             ModelVersionStatus(
                 version=s.version, state=_STATES.Name(s.state),
@@ -125,7 +146,7 @@ class GrpcTransport:
         request = get_model_metadata_pb2.GetModelMetadataRequest()
         self._spec(request.model_spec)
         request.metadata_field.append("signature_def")
-        response = _call(self._predict.GetModelMetadata, request, timeout, self.target)
+        response = self._endpoint.call(self._predict.GetModelMetadata, request, timeout)
         signatures = get_model_metadata_pb2.SignatureDefMap()
         if not response.metadata["signature_def"].Unpack(signatures):
             raise ClientError(f"unexpected metadata: {response.metadata['signature_def'].type_url}")
@@ -164,10 +185,12 @@ class V2GrpcTransport:
     `serving_default`), no version labels, and no per-version status: `status` lists the versions
     the server says are being served, as AVAILABLE."""
 
-    def __init__(self, target: str, model: str, version: int | None, version_label: str | None) -> None:
+    def __init__(self, target: str, model: str, version: int | None, version_label: str | None,
+                 security: Security = NO_SECURITY) -> None:
         if version_label is not None:
             raise ValueError("the V2 protocol has no version labels: pass version=N")
-        self.target, self._channel = _channel(target)
+        self._endpoint = _Endpoint(target, security)
+        self.target, self._channel = self._endpoint.target, self._endpoint.channel
         self.model = model
         self.version = "" if version is None else str(version)
         self._stub = grpc_predict_v2_pb2_grpc.GRPCInferenceServiceStub(self._channel)
@@ -182,7 +205,7 @@ class V2GrpcTransport:
         request.inputs.add(name="text", datatype="BYTES", shape=[len(texts)])
         request.raw_input_contents.append(b"".join(
             struct.pack("<I", len(b)) + b for b in (t.encode("utf-8") for t in texts)))
-        response = _call(self._stub.ModelInfer, request, timeout, self.target)
+        response = self._endpoint.call(self._stub.ModelInfer, request, timeout)
         outputs = {tensor.name: (tensor, i) for i, tensor in enumerate(response.outputs)}
         if "probabilities" not in outputs:
             raise ClientError(f"unexpected infer response: outputs {sorted(outputs)}, no 'probabilities'")
@@ -198,7 +221,7 @@ class V2GrpcTransport:
     def status(self, timeout: float) -> list[ModelVersionStatus]:
         if self.version:
             request = grpc_predict_v2_pb2.ModelReadyRequest(name=self.model, version=self.version)
-            ready = _call(self._stub.ModelReady, request, timeout, self.target).ready
+            ready = self._endpoint.call(self._stub.ModelReady, request, timeout).ready
             return [ModelVersionStatus(int(self.version), "AVAILABLE" if ready else "LOADING")]
         metadata = self._metadata(timeout)
         return [ModelVersionStatus(int(v), "AVAILABLE") for v in metadata.versions if v.isdigit()]
@@ -209,7 +232,7 @@ class V2GrpcTransport:
 
     def _metadata(self, timeout: float) -> grpc_predict_v2_pb2.ModelMetadataResponse:
         request = grpc_predict_v2_pb2.ModelMetadataRequest(name=self.model, version=self.version)
-        return _call(self._stub.ModelMetadata, request, timeout, self.target)
+        return self._endpoint.call(self._stub.ModelMetadata, request, timeout)
 
 
 def _v2_values(response, tensor, index: int, raw_format: str, contents_field: str) -> list:  # noqa: ANN001
@@ -236,19 +259,17 @@ def _v2_bytes(response, tensor, index: int) -> list[bytes]:  # noqa: ANN001
     return out
 
 
-def _call(method, request, timeout: float, target: str):  # noqa: ANN001, ANN202
-    try:
-        return method(request, timeout=timeout)
-    except grpc.RpcError as exc:
-        raise _grpc_error(exc, target) from None
-
-
-def _grpc_error(exc: grpc.RpcError, target: str) -> ClientError:
+def _grpc_error(exc: grpc.RpcError, endpoint: _Endpoint) -> ClientError:
     code: grpc.StatusCode = exc.code()
     message = exc.details() or code.name
     status = code.name
+    target = endpoint.target
+    if code == grpc.StatusCode.UNAVAILABLE and ("handshake" in message.lower() or "SSL" in message):
+        return _tls_error(message, status, endpoint)
     if code == grpc.StatusCode.NOT_FOUND:
         return ModelNotFound(message, status)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return NotAuthorized(message, status)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION):
         return InvalidInput(message, status)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -256,7 +277,23 @@ def _grpc_error(exc: grpc.RpcError, target: str) -> ClientError:
             return InvalidInput(message, status)
         return ServerUnavailable(message, status)
     if code == grpc.StatusCode.UNAVAILABLE:
-        return ServerUnavailable(f"cannot use {target}: {message}", status)
+        hint = ""
+        if endpoint.security.cert_file and ("reset by peer" in message or "Socket closed" in message):  # TLS 1.3
+            hint = " (if it asks for client certificates, it may not trust cert_file, CLI --cert)"
+        return ServerUnavailable(f"cannot use {target}: {message}{hint}", status)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(message, status)
     return ClientError(message, status)
+
+
+def _tls_error(message: str, status: str, endpoint: _Endpoint) -> ClientError:
+    """What to change after a failed handshake (grpc's message names little: say what it means)."""
+    ca = endpoint.security.ca_file
+    if "CERTIFICATE_VERIFY_FAILED" in message:
+        trusted = f"the CA bundle {ca}" if ca else "the system's CA certificates"
+        return TlsError(f"the certificate of {endpoint.target} does not verify against {trusted}: pass the CA that "
+                        "signed it (ca_file=, CLI --ca-file), or use the host name it was issued for", status)
+    if "WRONG_VERSION_NUMBER" in message:
+        return TlsError(f"{endpoint.target} does not speak TLS: use a plain host:port target without "
+                        "ca_file or a client certificate", status)
+    return TlsError(f"TLS with {endpoint.target} failed: {message}", status)

@@ -15,8 +15,10 @@ import requests
 import urllib3
 from requests.adapters import HTTPAdapter
 
-from client.exceptions import ClientError, DeadlineExceeded, InvalidInput, InvalidURL, ModelNotFound, ServerUnavailable
+from client.exceptions import (ClientError, DeadlineExceeded, InvalidInput, InvalidURL, ModelNotFound, NotAuthorized,
+                               ServerUnavailable, TlsError)
 from client.results import ModelVersionStatus, RawExplanation, RawPrediction
+from client.security import NO_SECURITY, Security
 
 
 def parse_url(url: str) -> str:
@@ -39,8 +41,20 @@ class RestTransport:
     """TF Serving's REST API over one pooled `requests.Session`; no TensorFlow needed."""
 
     def __init__(self, url: str, model: str, version: int | None, version_label: str | None, *,
-                 pool_size: int = 10, session: requests.Session | None = None) -> None:
+                 pool_size: int = 10, session: requests.Session | None = None,
+                 security: Security = NO_SECURITY) -> None:
         self.base = parse_url(url)
+        if security.tls_files_given and not self.base.startswith("https://"):
+            raise InvalidURL(f"url={url!r}: a CA bundle or client certificate needs an https:// URL")
+        self.security = security
+        self._options: dict[str, Any] = {}
+        """Per request, so that a session passed in keeps its own settings for other uses."""
+        if security.ca_file is not None:
+            self._options["verify"] = security.ca_file
+        if security.cert_file is not None:
+            self._options["cert"] = (security.cert_file, security.key_file)
+        if security.authorization is not None:
+            self._options["headers"] = {"Authorization": security.authorization}
         path = f"{self.base}/v1/models/{urllib.parse.quote(model, safe='')}"
         if version is not None:
             path += f"/versions/{int(version)}"
@@ -92,10 +106,9 @@ class RestTransport:
 
     def _request(self, method: str, url: str, body: Any, timeout: float) -> Any:
         try:
-            response = self.session.request(method, url, json=body, timeout=timeout)
-        except requests.exceptions.SSLError as exc:  # retrying cannot help: the URL is wrong
-            raise InvalidURL(f"TLS with {self.base} failed ({_reason(exc)}): if the server speaks plain HTTP, "
-                             f"use {self.base.replace('https://', 'http://', 1)}") from None
+            response = self.session.request(method, url, json=body, timeout=timeout, **self._options)
+        except requests.exceptions.SSLError as exc:  # retrying cannot help: the URL or a file is wrong
+            raise _tls_error(exc, self.base, self.security) from None
         except requests.ReadTimeout:
             raise DeadlineExceeded(f"no response from {self.base} within {timeout:g}s") from None
         except requests.ConnectionError as exc:  # refused, reset, DNS, connect timeout
@@ -103,8 +116,8 @@ class RestTransport:
                 # A keep-alive connection the server closed as the request went out (a draining or
                 # restarting server, an idle timeout): nothing was answered, and a prediction has no
                 # side effects, so the retry goes out at once, on a new connection.
-                raise ServerUnavailable(f"{self.base} closed the connection before answering: {_reason(exc)}",
-                                        retry_after=0.0) from None
+                raise ServerUnavailable(f"{self.base} closed the connection before answering: {_reason(exc)}"
+                                        f"{_CERT_HINT if self.security.cert_file else ''}", retry_after=0.0) from None
             raise ServerUnavailable(f"cannot connect to {self.base}: {_reason(exc)}") from None
         except requests.RequestException as exc:
             raise ClientError(f"request to {self.base} failed: {_reason(exc)}") from None
@@ -114,6 +127,10 @@ class RestTransport:
             return response.json()
         except ValueError:
             raise ClientError(f"response from {url} is not JSON: {response.text[:200]!r}", response.status_code) from None
+
+
+_CERT_HINT = " (if it asks for client certificates, it may not trust cert_file, CLI --cert)"
+"""TLS 1.3 tells a client that its certificate was refused only when it reads: a closed connection."""
 
 
 def _closed_before_response(exc: requests.ConnectionError) -> bool:
@@ -152,6 +169,8 @@ def _http_error(response: requests.Response) -> ClientError:
         message = response.text.strip()[:500] or response.reason or f"HTTP {status}"
     if status == 404:
         return ModelNotFound(message, status)
+    if status in (401, 403):
+        return NotAuthorized(message, status)
     if status in (400, 413, 422):
         return InvalidInput(message, status)
     if status in (429, 503):
@@ -159,6 +178,29 @@ def _http_error(response: requests.Response) -> ClientError:
     if status in (408, 504):
         return DeadlineExceeded(message, status)
     return ClientError(message, status)
+
+
+def _tls_error(exc: requests.exceptions.SSLError, base: str, security: Security) -> ClientError:
+    """What to change after a failed handshake: the URL (a plain-HTTP server), the CA bundle or the
+    host name (a certificate that does not verify), or the client certificate (one the server wants)."""
+    reason = _reason(exc)
+    text = str(exc)
+    if "WRONG_VERSION_NUMBER" in text or "wrong version number" in text:
+        return InvalidURL(f"TLS with {base} failed ({reason}): the server speaks plain HTTP, "
+                          f"use {base.replace('https://', 'http://', 1)}")
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        trusted = f"the CA bundle {security.ca_file}" if security.ca_file else "the system's CA certificates"
+        return TlsError(f"the certificate of {base} does not verify against {trusted} ({reason}): pass the CA "
+                        "that signed it (ca_file=, CLI --ca-file), or use the host name it was issued for")
+    if any(marker in text for marker in ("CERTIFICATE_REQUIRED", "certificate required", "UNKNOWN_CA", "unknown ca",
+                                         "BAD_CERTIFICATE", "bad certificate")):
+        return TlsError(f"{base} refused the client certificate ({reason}): it wants one signed by a CA it trusts "
+                        "(cert_file= and key_file=, CLI --cert and --key)")
+    if "EOF occurred" in text:
+        hint = (" it does not trust the client certificate (cert_file=)" if security.cert_file
+                else " it may want a client certificate (cert_file= and key_file=, CLI --cert and --key)")
+        return TlsError(f"{base} closed the connection during the TLS handshake:{hint}")
+    return TlsError(f"TLS with {base} failed ({reason})")
 
 
 def _retry_after(value: str | None) -> float | None:

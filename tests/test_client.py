@@ -396,7 +396,7 @@ def test_cli_https_against_plain_http_fails_fast_with_a_clear_message(server):
     start = time.monotonic()
     result = _python("-m", "client", "--url", server.url.replace("http://", "https://"), "--timeout", "30", "good")
     assert result.returncode == 2 and time.monotonic() - start < 10, result.stderr
-    assert f"if the server speaks plain HTTP, use {server.url}" in result.stderr
+    assert f"the server speaks plain HTTP, use {server.url}" in result.stderr
 
 
 def test_the_client_installs_alone_without_tensorflow(server, tmp_path):
