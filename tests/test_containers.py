@@ -187,8 +187,10 @@ def models(trained: dict, image: str, made: Made) -> Path:
     return models
 
 
-def kube_copy(source: Path, dest: Path, models: Path, ports: dict[int, int]) -> tuple[Path, dict]:
-    """deploy's manifest with the models volume as a hostPath and host ports on 127.0.0.1, nothing else."""
+def kube_copy(source: Path, dest: Path, models: Path, ports: dict[int, int],
+              secrets: dict[str, Path]) -> tuple[Path, dict]:
+    """deploy's manifest with the models volume and each Secret as a hostPath (`secrets`: secret name
+    -> a directory of its keys as files) and host ports on 127.0.0.1, nothing else."""
     documents = list(yaml.safe_load_all(source.read_text()))
     deployment = next(d for d in documents if d["kind"] == "Deployment")
     pod = deployment["spec"]["template"]["spec"]
@@ -196,14 +198,25 @@ def kube_copy(source: Path, dest: Path, models: Path, ports: dict[int, int]) -> 
         if volume["name"] == "models":
             volume.pop("persistentVolumeClaim")
             volume["hostPath"] = {"path": str(models), "type": "Directory"}
+        elif "secret" in volume:
+            volume["hostPath"] = {"path": str(secrets[volume.pop("secret")["secretName"]]), "type": "Directory"}
     for port in pod["containers"][0]["ports"]:
         port.update(hostPort=ports[port["containerPort"]], hostIP="127.0.0.1")
     dest.write_text(yaml.safe_dump_all(documents, sort_keys=False))
     return dest, deployment
 
 
-def wait_ready(url: str, timeout_s: float = 180) -> float:
-    seconds = poll_ready(url, timeout_s)
+def secret_dir(directory: Path, files: dict[str, bytes]) -> Path:
+    """A Secret as Kubernetes mounts it: one file per key, readable by the container's user (0644)."""
+    directory.mkdir(mode=0o755)
+    for key, value in files.items():
+        (directory / key).write_bytes(value)
+        (directory / key).chmod(0o644)
+    return directory
+
+
+def wait_ready(url: str, timeout_s: float = 180, **tls) -> float:  # noqa: ANN003 - requests' verify=
+    seconds = poll_ready(url, timeout_s, **tls)
     if seconds is None:
         pytest.fail(f"{url}/readyz not 200 after {timeout_s:.0f} s")
     return seconds
@@ -235,42 +248,56 @@ def test_the_serving_manifest_runs_under_kube_play(request: pytest.FixtureReques
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
+    from tls_certs import make_pki
+
     rest_port, grpc_port = free_ports(2)
+    pki = make_pki(tmp_path / "pki")
+    token = secrets.token_urlsafe(24)
+    tls_files = {"tls.crt": pki.server_cert.read_bytes(), "tls.key": pki.server_key.read_bytes(),
+                 "ca.crt": pki.ca.read_bytes()}
     kube_file, deployment = kube_copy(REPO / "deploy/serving.yaml", tmp_path / "serving.yaml", models,
-                                      {8501: rest_port, 8500: grpc_port})
+                                      {8501: rest_port, 8500: grpc_port},
+                                      {"sentiment-tls": secret_dir(tmp_path / "tls", tls_files),
+                                       "sentiment-tokens": secret_dir(tmp_path / "tokens", {"tokens": token.encode()})})
     made.kube_files.append(kube_file)
     podman("kube", "down", str(kube_file), check=False)  # a pod left by an interrupted run
     if podman("network", "exists", KUBE_NETWORK, check=False).returncode != 0:
         made.networks.append(KUBE_NETWORK)  # kube play creates it: ours to remove
     start = time.monotonic()
     podman("kube", "play", str(kube_file), timeout=300)
-    url = f"http://127.0.0.1:{rest_port}"
-    wait_ready(url)
+    url, verify, auth = f"https://localhost:{rest_port}", str(pki.ca), {"Authorization": f"Bearer {token}"}
+    wait_ready(url, verify=verify)
     figure(request.config, f"serving.yaml under podman kube play: /readyz 200 {time.monotonic() - start:.1f} s after play")
     container = f"{deployment['metadata']['name']}-pod-0-{deployment['spec']['template']['spec']['containers'][0]['name']}"
 
     # The liveness probe (httpGet /healthz) became a health check that podman runs inside the container.
     assert podman("healthcheck", "run", container, check=False).returncode == 0
 
-    rest = requests.post(f"{url}/v1/models/sentiment:predict", json={"instances": TEXTS}, timeout=10)
+    # Both ports speak TLS and want the token from the mounted Secret; the probes need neither.
+    refused = requests.post(f"{url}/v1/models/sentiment:predict", json={"instances": TEXTS}, verify=verify, timeout=10)
+    assert refused.status_code == 401, refused.text
+    rest = requests.post(f"{url}/v1/models/sentiment:predict", json={"instances": TEXTS}, verify=verify, headers=auth,
+                         timeout=10)
     assert rest.status_code == 200, rest.text
     # JSON carries the shortest decimal of each float32: read back as float32, it is the same number.
     rest_probabilities = np.array([p["probabilities"] for p in rest.json()["predictions"]], np.float32)
 
-    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+    credentials = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
+    with grpc.secure_channel(f"localhost:{grpc_port}", credentials) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         grpc_request = predict_pb2.PredictRequest()
         grpc_request.model_spec.name = "sentiment"
         grpc_request.inputs["text"].CopyFrom(tf.make_tensor_proto(TEXTS, dtype=tf.string))
-        answer = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(grpc_request, timeout=10)
+        answer = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(
+            grpc_request, metadata=(("authorization", f"Bearer {token}"),), timeout=10)
     assert answer.model_spec.version.value == 1
     np.testing.assert_array_equal(tf.make_ndarray(answer.outputs["probabilities"]), rest_probabilities)
 
-    with triton.InferenceServerClient(url=f"127.0.0.1:{rest_port}") as client:
+    with triton.InferenceServerClient(url=f"localhost:{rest_port}", ssl=True, ssl_options={"ca_certs": verify}) as client:
         text = triton.InferInput("text", [len(TEXTS)], "BYTES")
         text.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object))
-        v2 = client.infer("sentiment", [text])
+        v2 = client.infer("sentiment", [text], headers=auth)
     np.testing.assert_array_equal(v2.as_numpy("probabilities"), rest_probabilities)
 
     stop_then_kube_down(kube_file, deployment, container)

@@ -111,10 +111,20 @@ def test_the_server_accepts_the_manifests_flags_and_drains_within_the_grace_peri
     assert config.drain_delay_s + config.drain_timeout_s < pod["terminationGracePeriodSeconds"]
     ports = {port["name"]: port["containerPort"] for port in spec["ports"]}
     assert ports == {"http": config.port, "grpc": config.grpc_port}
-    assert spec["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": config.port}
-    assert spec["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": config.port}
-    assert spec["startupProbe"]["grpc"]["port"] == config.grpc_port
-    assert {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]} <= {
+    scheme = "HTTPS" if config.tls_cert_file else "HTTP"
+    assert spec["startupProbe"]["httpGet"] == {"path": "/readyz", "port": config.port, "scheme": scheme}
+    assert spec["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": config.port, "scheme": scheme}
+    assert spec["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": config.port, "scheme": scheme}
+    # The certificate, its key and the tokens come from the Secrets the pod mounts, under the keys
+    # `kubectl create secret tls` and `--from-file=tokens=` write; model management stays off.
+    mounts = {m["mountPath"]: m["name"] for m in spec["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    files = {config.tls_cert_file: "tls.crt", config.tls_key_file: "tls.key", config.auth_token_file: "tokens"}
+    for path, key in files.items():
+        directory, name = path.rsplit("/", 1)
+        assert name == key and mounts[directory] in secrets, (path, mounts, secrets)
+    assert set(secrets.values()) == {"sentiment-tls", "sentiment-tokens"} and not config.model_management
+    assert {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v} <= {
         claim["metadata"]["name"] for claim in objects("PersistentVolumeClaim")}
     (service,) = [s for s in objects("Service") if s["metadata"]["name"] == deployment["metadata"]["name"]]
     assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
