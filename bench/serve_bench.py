@@ -147,13 +147,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 180, scheme: str = "http") -> None:
+    import ssl
+
+    unverified = ssl._create_unverified_context() if scheme == "https" else None  # our own self-signed server
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise SystemExit(f"server on port {port} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
+            with urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}/readyz", timeout=1, context=unverified) as r:
                 if r.status == 200:
                     return
         except OSError:
@@ -162,9 +165,10 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 180) -> None:
     raise SystemExit(f"server on port {port} not ready after {timeout}s")
 
 
-def run_wrk(port: int, path: str, body_file: Path, script: Path, connections: int, seconds: float) -> dict:
+def run_wrk(port: int, path: str, body_file: Path, script: Path, connections: int, seconds: float,
+            scheme: str = "http") -> dict:
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "-s", str(script),
-           f"http://127.0.0.1:{port}{path}"]
+           f"{scheme}://127.0.0.1:{port}{path}"]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "BENCH_BODY": str(body_file)},
                          check=True).stdout
     line = next(line for line in out.splitlines() if line.startswith("BENCH"))
@@ -308,11 +312,11 @@ def grpc_frames(work: Path, text: str, model: str) -> dict[str, Path]:
 GRPC_HEADERS = ["-H", "content-type: application/grpc", "-H", "te: trailers"]
 
 
-def check_grpc(port: int, method: str, frame: Path) -> None:
+def check_grpc(port: int, method: str, frame: Path, scheme: str = "http") -> None:
     """One call with nghttp: the answer must carry grpc-status 0, or the h2load figures mean nothing."""
     if shutil.which("nghttp") is None:
         return
-    out = subprocess.run(["nghttp", "-v", *GRPC_HEADERS, "-d", str(frame), f"http://127.0.0.1:{port}{method}"],
+    out = subprocess.run(["nghttp", "-v", *GRPC_HEADERS, "-d", str(frame), f"{scheme}://127.0.0.1:{port}{method}"],
                          capture_output=True, text=True, errors="replace", timeout=30).stdout
     if "grpc-status: 0" not in out:
         raise SystemExit(f"gRPC {method} did not answer grpc-status 0:\n{out[-2000:]}")
@@ -375,22 +379,27 @@ TRANSPORTS = {"own": "the server's own HTTP/2 machine", "h2": "python-hyper's h2
 
 
 def transport_rows(ports: dict[str, int], name: str, work: Path, script: Path, text: str, seconds: float,
-                   rounds: int) -> list[str]:
-    """REST :predict, gRPC Predict and gRPC ModelInfer on one server per gRPC transport (gRPC on
-    port + 1), level by level, every (transport, protocol) pair in each of `rounds` slices, in a
-    rotated order. Each gRPC rate is also given as a multiple of the same server's REST rate."""
+                   rounds: int, schemes: dict[str, str] | None = None, levels: tuple[int, ...] = (1, 32, 256),
+                   ) -> list[str]:
+    """REST :predict, gRPC Predict and gRPC ModelInfer on one server per variant (gRPC on port + 1;
+    `schemes`: https for one on TLS), level by level, every (variant, protocol) pair in each of
+    `rounds` slices, in a rotated order. Each gRPC rate is also given as a multiple of the same
+    server's REST rate, and each variant's after the first as a multiple of the first's."""
     rest = work / "one.json"
     frames = grpc_frames(work, text, name)
+    schemes = schemes or {}
     runs = {}
     for transport, port in ports.items():
+        scheme = schemes.get(transport, "http")
         for method, frame in frames.items():
-            check_grpc(port + 1, method, frame)
-        rest_run = functools.partial(run_wrk, port, f"/v1/models/{name}:predict", rest, script)
+            check_grpc(port + 1, method, frame, scheme)
+        rest_run = functools.partial(run_wrk, port, f"/v1/models/{name}:predict", rest, script, scheme=scheme)
         runs[transport, "rest"] = lambda c, t, rest_run=rest_run: merge([rest_run(c, t)], 1)
         for method, frame in frames.items():
-            runs[transport, method] = functools.partial(run_h2load, f"http://127.0.0.1:{port + 1}{method}", frame)
+            runs[transport, method] = functools.partial(run_h2load, f"{scheme}://127.0.0.1:{port + 1}{method}", frame)
+    first = next(iter(ports))
     lines = []
-    for c in (1, 32, 256):
+    for c in levels:
         rates: dict[tuple, list[float]] = {k: [] for k in runs}
         for r in range(rounds):
             keys = list(runs)
@@ -404,8 +413,9 @@ def transport_rows(ports: dict[str, int], name: str, work: Path, script: Path, t
             for method in frames:
                 g = mean[transport, method]
                 line += f" | {g:>8,.0f} ({g / r:.2f}x REST)"
-            if transport != "own" and "own" in ports:
-                line += f" | Predict {mean[transport, PREDICT] / mean['own', PREDICT]:.2f}x own's"
+            if transport != first:
+                line += (f" | REST {r / mean[first, 'rest']:.2f}x, Predict "
+                         f"{mean[transport, PREDICT] / mean[first, PREDICT]:.2f}x {first}'s")
             lines.append(line)
             print(f"  transports {line}", file=sys.stderr, flush=True)
     return lines
@@ -455,6 +465,57 @@ def compare_grpc_transports(a: argparse.Namespace, serve_cmd: list[str], env: di
           f"per request; {a.duration:g}s per level, protocol and server in {max(1, a.rounds)} alternating slices.")
     for t in transports:
         print(f"  {t}: {TRANSPORTS[t]}")
+    print(f"\n{'load':<6} {'server':<9} | {'REST':>8} | {'gRPC Predict':<24} | {'V2 gRPC ModelInfer':<24}")
+    for line in lines:
+        print(line)
+
+
+def self_signed(work: Path) -> tuple[Path, Path]:
+    """A certificate for localhost and 127.0.0.1 and its key (openssl; the load generators do not verify)."""
+    cert, key = work / "server.pem", work / "server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
+
+
+def compare_tls(a: argparse.Namespace, serve_cmd: list[str], env: dict, work: Path, script: Path,
+                name: str, text: str) -> None:
+    """The --tls run: the same server plaintext and with --tls-cert (both ports), measured in
+    alternating slices: what TLS costs on REST (wrk) and gRPC (h2load), at c=1 and c=32."""
+    for tool in ("h2load", "openssl"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} not found: install it from the OS packages (nghttp2-client, openssl)")
+    cert, key = self_signed(work)
+    variants = {"plaintext": [], "tls": ["--tls-cert", str(cert), "--tls-key", str(key)]}
+    schemes = {"plaintext": "http", "tls": "https"}
+    ports = {}
+    for v in variants:
+        ports[v] = free_port()
+        while not port_free(ports[v] + 1):
+            ports[v] = free_port()
+    procs = {v: subprocess.Popen([*serve_cmd, "--port", str(ports[v]), "--grpc-port", str(ports[v] + 1), *extra],
+                                 cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for v, extra in variants.items()}
+    started, load_before = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
+    try:
+        for v, proc in procs.items():
+            wait_ready(ports[v], proc, scheme=schemes[v])
+        frames = grpc_frames(work, text, name)
+        for v in variants:  # the same warm-up for both
+            run_wrk(ports[v], f"/v1/models/{name}:predict", work / "one.json", script, 32, 2, scheme=schemes[v])
+            run_h2load(f"{schemes[v]}://127.0.0.1:{ports[v] + 1}{PREDICT}", frames[PREDICT], 32, 2)
+        lines = transport_rows(ports, name, work, script, text, a.duration, max(1, a.rounds), schemes, (1, 32))
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(60)
+    print(f"\nTLS, {started}, {os.cpu_count()} CPU cores shared by the load generators and 2 servers (load "
+          f"average {load_before:.1f} before); python -m serve defaults, one with --tls-cert (ECDSA P-256; wrk "
+          f"and h2load keep their connections, so this is TLS's cost per request, not per handshake); one "
+          f"review per request; {a.duration:g}s per level, protocol and server in {max(1, a.rounds)} alternating "
+          "slices.")
     print(f"\n{'load':<6} {'server':<9} | {'REST':>8} | {'gRPC Predict':<24} | {'V2 gRPC ModelInfer':<24}")
     for line in lines:
         print(line)
@@ -512,6 +573,9 @@ def main() -> None:
                         "the same model name as --model-dir); default: --model-dir")
     p.add_argument("--grpc-transports", metavar="LIST",
                    help="compare the gRPC port's HTTP/2 layer instead: own, h2, baseline (see above)")
+    p.add_argument("--tls", action="store_true",
+                   help="measure what TLS costs instead: the server plaintext and with --tls-cert, REST and gRPC, "
+                        "c=1 and 32")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -542,9 +606,9 @@ def main() -> None:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     serve_cmd = [sys.executable, "-m", "serve", "--model-dir", a.model_dir, "--host", "127.0.0.1",
                  "--poll-interval", "0", "--log-level", "WARNING", *a.serve_args.split()]
-    if a.grpc_transports:
+    if a.grpc_transports or a.tls:
         try:
-            compare_grpc_transports(a, serve_cmd, env, work, script, name, text)
+            (compare_tls if a.tls else compare_grpc_transports)(a, serve_cmd, env, work, script, name, text)
         finally:
             tmp.cleanup()
         return
