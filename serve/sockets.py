@@ -33,9 +33,9 @@ MAX_ACCEPTS_PER_WAKE = 32
 that fell behind catches up in one event-loop turn instead of one connection per turn (256 new
 connections took over a second to spread over two busy workers that way)."""
 REBALANCE_SLACK = 1
+"""Connections a worker may hold beyond an even share before it sheds the rest (`AcceptGate.excess`)."""
 PLAINTEXT_LOG_S = 60.0
 """A peer whose TLS handshake fails (or who speaks plaintext to a TLS port) is logged once per this."""
-"""Connections a worker may hold beyond an even share before it sheds the rest (`AcceptGate.excess`)."""
 
 
 class StartupError(RuntimeError):

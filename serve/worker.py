@@ -36,11 +36,11 @@ from serve.sockets import AcceptGate
 log = logging.getLogger(__name__)
 
 WORKER_READY_WAIT_S = 120.0
+"""How long one of several workers waits for its model before it takes connections anyway."""
 _PLAINTEXT_TEXT = b"This port speaks HTTPS: use an https:// URL.\n"
 PLAINTEXT_ANSWER = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
                     b"content-length: %d\r\n\r\n%s" % (len(_PLAINTEXT_TEXT), _PLAINTEXT_TEXT))
 """What a plaintext HTTP client gets on a TLS REST port before the connection closes."""
-"""How long one of several workers waits for its model before it takes connections anyway."""
 
 
 def raise_open_file_limit() -> None:

@@ -65,6 +65,10 @@ def test_rest_needs_a_token_except_for_probes_and_the_page(server):
         assert requests.get(server.url + path, headers=bearer(API_TOKENS[1]), timeout=10).status_code == 200, path
     for path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", f"/v2/models/{MODEL_NAME}/ready", "/"):
         assert requests.get(server.url + path, timeout=10).status_code == 200, path
+    spec = requests.get(server.url + "/openapi.json", headers=bearer(API_TOKENS[0]), timeout=10).json()
+    assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert spec["security"] == [{"bearer": []}] and spec["paths"]["/readyz"]["get"]["security"] == []
+    assert "401" in spec["paths"]["/v1/models/{model}:predict"]["post"]["responses"]
 
     import tritonclient.http as triton_http
     from tritonclient.utils import InferenceServerException

@@ -240,13 +240,29 @@ def stop_then_kube_down(kube_file: Path, deployment: dict, container: str) -> No
     assert podman("pod", "exists", pod_name, check=False).returncode == 1
 
 
-def test_the_serving_manifest_runs_under_kube_play(request: pytest.FixtureRequest, models: Path, made: Made,
-                                                   tmp_path: Path) -> None:
+def predict_over_tls(grpc_port: int, ca: Path, token: str) -> np.ndarray:
+    """gRPC health (no token) and a Predict with the token over TLS: the probabilities it answers."""
     import grpc
     import tensorflow as tf
-    import tritonclient.http as triton
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
+    with grpc.secure_channel(f"localhost:{grpc_port}", credentials) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        grpc_request = predict_pb2.PredictRequest()
+        grpc_request.model_spec.name = "sentiment"
+        grpc_request.inputs["text"].CopyFrom(tf.make_tensor_proto(TEXTS, dtype=tf.string))
+        answer = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(
+            grpc_request, metadata=(("authorization", f"Bearer {token}"),), timeout=10)
+    assert answer.model_spec.version.value == 1
+    return tf.make_ndarray(answer.outputs["probabilities"])
+
+
+def test_the_serving_manifest_runs_under_kube_play(request: pytest.FixtureRequest, models: Path, made: Made,
+                                                   tmp_path: Path) -> None:
+    import tritonclient.http as triton
 
     from tls_certs import make_pki
 
@@ -282,18 +298,7 @@ def test_the_serving_manifest_runs_under_kube_play(request: pytest.FixtureReques
     # JSON carries the shortest decimal of each float32: read back as float32, it is the same number.
     rest_probabilities = np.array([p["probabilities"] for p in rest.json()["predictions"]], np.float32)
 
-    credentials = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
-    with grpc.secure_channel(f"localhost:{grpc_port}", credentials) as channel:
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
-        grpc_request = predict_pb2.PredictRequest()
-        grpc_request.model_spec.name = "sentiment"
-        grpc_request.inputs["text"].CopyFrom(tf.make_tensor_proto(TEXTS, dtype=tf.string))
-        answer = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(
-            grpc_request, metadata=(("authorization", f"Bearer {token}"),), timeout=10)
-    assert answer.model_spec.version.value == 1
-    np.testing.assert_array_equal(tf.make_ndarray(answer.outputs["probabilities"]), rest_probabilities)
-
+    np.testing.assert_array_equal(predict_over_tls(grpc_port, pki.ca, token), rest_probabilities)
     with triton.InferenceServerClient(url=f"localhost:{rest_port}", ssl=True, ssl_options={"ca_certs": verify}) as client:
         text = triton.InferInput("text", [len(TEXTS)], "BYTES")
         text.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object))

@@ -4,11 +4,13 @@ A token file holds one token per line (blank lines and `#` comments skipped), so
 rotated by adding the new token before removing the old one; the file is re-read when it changes
 (looked at once a second at most, as requests arrive). A request presents `Authorization: Bearer
 TOKEN` (REST) or the same `authorization` metadata (gRPC); the token is compared with every
-accepted one in constant time, and a refusal never says which part was wrong.
+accepted one in constant time (as SHA-256 digests, so that not even its length shows in the timing),
+and a refusal never says which part was wrong.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -53,6 +55,7 @@ class TokenFile:
     def __init__(self, flag: str, path: str) -> None:
         self.flag, self.path = flag, path
         self.tokens = read_tokens(flag, path)
+        self._digests = _digests(self.tokens)
         self._identity = self._stat()
         self._checked = time.monotonic()
 
@@ -64,6 +67,7 @@ class TokenFile:
         return st.st_ino, st.st_size, st.st_mtime_ns
 
     def current(self) -> tuple[bytes, ...]:
+        """The SHA-256 digests of the tokens accepted now (the file looked at once a second at most)."""
         now = time.monotonic()
         if now - self._checked >= CHECK_S:
             self._checked = now
@@ -72,10 +76,11 @@ class TokenFile:
                 self._identity = identity
                 try:
                     self.tokens = read_tokens(self.flag, self.path)
+                    self._digests = _digests(self.tokens)
                     log.info("%s changed: %d token(s) accepted from now on", self.flag, len(self.tokens))
                 except TokenFileError as exc:
                     log.error("%s; keeping the tokens already read", exc)
-        return self.tokens
+        return self._digests
 
     def accepts(self, authorization: bytes | str | None) -> bool:
         """Whether `authorization` (the header's value) is `Bearer` and one of the tokens."""
@@ -84,11 +89,15 @@ class TokenFile:
         if isinstance(authorization, str):
             authorization = authorization.encode("latin-1", "replace")
         scheme, _, token = authorization.strip().partition(b" ")
-        token = token.strip()
+        digest = hashlib.sha256(token.strip()).digest()
         found = False
         for accepted in self.current():  # every one compared, in constant time: no early exit
-            found |= hmac.compare_digest(token, accepted)
+            found |= hmac.compare_digest(digest, accepted)
         return found and scheme.lower() == b"bearer"
+
+
+def _digests(tokens: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    return tuple(hashlib.sha256(t).digest() for t in tokens)
 
 
 class Authorizer:

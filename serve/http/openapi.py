@@ -32,9 +32,12 @@ TEXT = {"type": "string", "pattern": "[^\\t\\n\\x0b\\x0c\\r ]",
                        "--max-text-bytes bytes of UTF-8. Binary strings may be sent as {\"b64\": ...}."}
 
 
-def openapi_spec(model_names: list[str], max_rows: int, signatures: dict[str, Signature] | None = None) -> dict:
+def openapi_spec(model_names: list[str], max_rows: int, signatures: dict[str, Signature] | None = None, *,
+                 bearer: bool = False, metrics_open: bool = False) -> dict:
     """The document for models `model_names` (the first is the default) whose latest version of the
-    default model has `signatures` (None while nothing is loaded: generic request schemas)."""
+    default model has `signatures` (None while nothing is loaded: generic request schemas); with
+    `bearer` (--auth-token-file), the token every operation but the probes (and the metrics, when
+    `metrics_open`) needs, and its 401."""
     model = {"name": "model", "in": "path", "required": True, "description": "Model name (URL-encoded).",
              "schema": {"type": "string", "enum": model_names}, "example": model_names[0] if model_names else ""}
     schemas = _schemas(max_rows, signatures)
@@ -44,7 +47,7 @@ def openapi_spec(model_names: list[str], max_rows: int, signatures: dict[str, Si
     for prefix, params in _V2_PREFIXES.items():
         paths.update(_v2_model_paths(prefix, [model, *params]))
     paths.update(_server_paths())
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {"title": "sentiment-dtensor serving API", "version": "1", "description": (
             "TensorFlow Serving compatible REST API (routes case-insensitive), the Open Inference Protocol "
@@ -53,6 +56,26 @@ def openapi_spec(model_names: list[str], max_rows: int, signatures: dict[str, Si
         "components": {"schemas": schemas, "responses": {"Error": {
             "description": "Error", "content": {"application/json": {"schema": _ref("Error")}}}}},
     }
+    if bearer:
+        _add_bearer(document, metrics_open)
+    return document
+
+
+_OPEN_PATHS = {"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"}
+_METRICS_PATH = "/monitoring/prometheus/metrics"
+
+
+def _add_bearer(document: dict, metrics_open: bool) -> None:
+    document["components"]["securitySchemes"] = {"bearer": {
+        "type": "http", "scheme": "bearer", "description": "A token of the server's --auth-token-file."}}
+    document["security"] = [{"bearer": []}]
+    for path, item in document["paths"].items():
+        open_ = path in _OPEN_PATHS or path.endswith("/ready") or (metrics_open and path == _METRICS_PATH)
+        for operation in item.values():
+            if open_:
+                operation["security"] = []
+            else:
+                operation["responses"]["401"] = _ERROR
 
 
 def _v1_model_paths(prefix: str, parameters: list, schemas: dict) -> dict[str, Any]:

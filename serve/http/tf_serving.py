@@ -110,7 +110,9 @@ class RestApi:
             signatures = self.core.model(self.core.default_model).signatures
         except ServingError:
             signatures = None  # nothing loaded yet
-        return json_response(openapi_spec(list(self.core.models), self.config.max_rows_per_request, signatures))
+        auth = self.core.auth
+        return json_response(openapi_spec(list(self.core.models), self.config.max_rows_per_request, signatures,
+                                          bearer=auth.enabled, metrics_open=auth.metrics_open))
 
 
 def _status_json(status) -> dict:  # noqa: ANN001 - a registry.VersionStatus
