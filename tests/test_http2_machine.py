@@ -285,6 +285,17 @@ def test_streams_past_the_limit_are_refused():
     assert peer.reset_code(5) == REFUSED_STREAM
 
 
+def test_a_frame_budget_keeps_the_rest_for_the_next_receive():
+    peer = Peer()
+    block = peer.encoder.encode(GRPC)
+    burst = b"".join(frame(HEADERS, END_HEADERS | END_STREAM, 1 + 2 * i, block) for i in range(10))
+    seen = []
+    for data in (burst, b"", b""):
+        events = peer.machine.receive(data, max_frames=4)
+        seen.append(([e.stream_id for e in events], peer.machine.backlogged))
+    assert seen == [([1, 3, 5, 7], True), ([9, 11, 13, 15], True), ([17, 19], False)]
+
+
 def test_trailers_end_the_request_and_the_clients_goaway_is_an_event():
     peer = Peer()
     peer.headers(1)

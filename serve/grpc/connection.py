@@ -11,7 +11,7 @@ before any message: one trailers-only HEADERS frame). A request that is not gRPC
 
 What one client cannot do to the others (the machine bounds floods and holds the protocol; the
 shell bounds time and memory):
-- take more than its share of the event loop: at most TURN_BYTES of its input are processed per
+- take more than its share of the event loop: at most TURN_FRAMES of its frames are read per
   loop turn, the rest waits with reading paused;
 - make the server queue answers it does not read: while the transport's write buffer is over its
   high-water mark nothing more of the connection is read, and an answer that makes no progress for
@@ -63,8 +63,9 @@ from serve.http2.machine import Limits, ServerConnection
 
 log = logging.getLogger(__name__)
 
-TURN_BYTES = 65_536
-"""Input of one connection processed per event-loop turn (a few ms of Python at worst)."""
+TURN_FRAMES = 64
+"""Frames of one connection read per event-loop turn (a millisecond or two of Python at worst: a
+frame's cost is about the same whatever its size, and a HEADERS frame of a few bytes opens a call)."""
 BUFFER_LIMIT = 4
 """Incomplete request messages one connection may hold, in largest messages, before its window is
 no longer credited."""
@@ -145,7 +146,6 @@ class GrpcConnection(asyncio.Protocol):
         self._sent_mark = 0
         self._resumed = False
         self._paused: set[str] = set()
-        self._backlog = b""
         self._write_paused = False
         self._close_timer: asyncio.TimerHandle | None = None
         self.draining = False
@@ -181,7 +181,6 @@ class GrpcConnection(asyncio.Protocol):
             self._close_timer.cancel()
         for call in list(self.calls.values()):
             self._drop(call)
-        self._backlog = b""
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -191,6 +190,8 @@ class GrpcConnection(asyncio.Protocol):
         self._write_paused = False
         self._resumed = True
         self._resume("write")
+        if self.machine is not None and self.machine.backlogged and not self.closed:
+            self.loop.call_soon(self._next_turn)
 
     def _pause(self, reason: str) -> None:
         if not self._paused and not self.transport.is_closing():
@@ -212,29 +213,24 @@ class GrpcConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.machine is None or self.closed:
             return  # refused: its bytes are not read
-        if self._backlog:
-            self._backlog += data
-            return
-        if len(data) > TURN_BYTES:
-            self._backlog, data = data[TURN_BYTES:], data[:TURN_BYTES]
-            self._pause("turn")
-            self.loop.call_soon(self._next_turn)
         self._feed(data)
 
     def _next_turn(self) -> None:
-        if self.closed or self.machine.terminated:
-            self._backlog = b""
-            return
-        data, self._backlog = self._backlog[:TURN_BYTES], self._backlog[TURN_BYTES:]
-        self._feed(data)
-        if self._backlog:
+        if self.closed or self.machine.terminated or self._write_paused:
+            return  # closed, or resume_writing takes the backlog up
+        self._feed(b"")
+
+    def _turn_over(self) -> None:
+        """What the turn's budget left waits, with reading paused, for the loop's next turn."""
+        if self.machine.backlogged:
+            self._pause("turn")
             self.loop.call_soon(self._next_turn)
-        else:
+        elif "turn" in self._paused:
             self._resume("turn")
 
     def _feed(self, data: bytes) -> None:
         machine = self.machine
-        for event in machine.receive(data):
+        for event in machine.receive(data, TURN_FRAMES):
             kind = type(event)
             if kind is RequestReceived:
                 self._on_request(event)
@@ -253,6 +249,8 @@ class GrpcConnection(asyncio.Protocol):
         self._send()
         if machine.terminated:
             self._shut()
+        else:
+            self._turn_over()
 
     def _on_request(self, event: RequestReceived) -> None:
         head = call_head(event.head)

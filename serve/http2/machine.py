@@ -164,6 +164,7 @@ class ServerConnection:
         self._out: list[bytes] = []
         self._events: list = []
         self._buffer = b""
+        self._backlogged = False
         self._preface = False
         self._settings_seen = False
         self.streams: dict[int, _Stream] = {}
@@ -229,9 +230,18 @@ class ServerConnection:
         if limits.connection_window > DEFAULT_WINDOW:
             self._out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(limits.connection_window - DEFAULT_WINDOW)))
 
-    def receive(self, data: bytes) -> list:
-        """Take bytes from the client; returns the events they make (see `serve.http2.events`)."""
+    @property
+    def backlogged(self) -> bool:
+        """The last `receive` stopped at its frame budget: whole frames wait for the next one."""
+        return self._backlogged
+
+    def receive(self, data: bytes, max_frames: int | None = None) -> list:
+        """Take bytes from the client; returns the events they make (see `serve.http2.events`).
+        With `max_frames`, at most that many frames are read and the rest is kept (`backlogged`):
+        a shell bounds each connection's share of its event loop by frames, since a frame's cost
+        does not depend on its size (a tiny HEADERS frame opens a call)."""
         events = self._events = []
+        self._backlogged = False
         if self.terminated:
             return events
         buffer = self._buffer + data if self._buffer else data
@@ -245,16 +255,21 @@ class ServerConnection:
                     return events
                 self._preface = True
                 used = len(PREFACE)
-            used = self._read_frames(buffer, used)
+            used = self._read_frames(buffer, used, max_frames)
         except _ConnectionError as exc:
             self._fail(exc.code, exc.reason)
             used = len(buffer)
         self._buffer = buffer[used:] if used else buffer
         return events
 
-    def _read_frames(self, buffer: bytes, pos: int) -> int:
+    def _read_frames(self, buffer: bytes, pos: int, max_frames: int | None) -> int:
         end = len(buffer)
+        left = -1 if max_frames is None else max_frames
         while end - pos >= 9 and not self.terminated:
+            if left == 0:
+                self._backlogged = True
+                break
+            left -= 1
             high, low, kind, flags, stream_id = HEAD.unpack_from(buffer, pos)
             length = high << 8 | low
             if length > DEFAULT_FRAME_SIZE:
