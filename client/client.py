@@ -132,6 +132,7 @@ class SentimentClient:
         self.close()
 
     def close(self) -> None:
+        """Close the pooled connections (or the gRPC channel); `with SentimentClient(...)` does it on exit."""
         self._transport.close()
 
     # -- API ---------------------------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""MkDocs hooks: the reference pages that are generated from the code at build time.
+
+`<!-- config: MODULE.CLASS -->` becomes a table of a config dataclass's fields with their flags,
+defaults and help (the metadata `common.cli.option` gives each field, from which `--help` is made too),
+`<!-- cli: NAME -->` becomes what `python -m NAME --help` prints (the CLIs are generated from the
+config dataclasses, and `--help` never imports TensorFlow, so this is instant), and
+`<!-- openapi -->` becomes the server's OpenAPI document for one model named `sentiment`: a table of
+its routes and the whole JSON. `<!-- include: FILE -->` becomes that file of the repository (the
+CHANGELOG), its links into `docs/` made relative to the site.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CLI = re.compile(r"<!-- cli: (\w+) -->")
+CONFIG = re.compile(r"<!-- config: ([\w.]+)\.(\w+) -->")
+INCLUDE = re.compile(r"<!-- include: ([\w./-]+) -->")
+
+
+def _help(command: str) -> str:
+    env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", command, "--help"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+    return f"```text\n{done.stdout.rstrip()}\n```"
+
+
+def _openapi() -> str:
+    sys.path.insert(0, str(REPO))
+    from serve.config import ServeConfig
+    from serve.http.openapi import openapi_spec
+
+    document = openapi_spec(["sentiment"], ServeConfig().max_rows_per_request)
+    rows = ["| method | path | what |", "|---|---|---|"]
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            if isinstance(operation, dict) and "summary" in operation:
+                rows.append(f"| {method.upper()} | `{path}` | {operation['summary']} |")
+    whole = json.dumps(document, indent=2)
+    return "\n".join(rows) + f'\n\n??? note "The whole document"\n    ```json\n' + \
+        "\n".join("    " + line for line in whole.splitlines()) + "\n    ```\n"
+
+
+def _config(module: str, name: str) -> str:
+    import dataclasses
+    import importlib
+
+    sys.path.insert(0, str(REPO))
+    from common.cli import flag_of
+
+    config = getattr(importlib.import_module(module), name)
+    rows = [f"`{module}.{name}`: {config.__doc__.strip()}", "", "| field | flag | default | what |", "|---|---|---|---|"]
+    for field in dataclasses.fields(config):
+        meta = field.metadata
+        if meta.get("hidden") or "help" not in meta:
+            continue
+        default = meta.get("shown_default") or repr(field.default)
+        cells = (f"`{field.name}`", f"`{flag_of(field)}`", f"`{default}`", meta["help"].replace("|", "\\|"))
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _include(name: str) -> str:
+    return (REPO / name).read_text().replace("](docs/", "](")
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ANN001, ARG001 - MkDocs' hook signature
+    markdown = INCLUDE.sub(lambda match: _include(match.group(1)), markdown)
+    markdown = CONFIG.sub(lambda match: _config(match.group(1), match.group(2)), markdown)
+    markdown = CLI.sub(lambda match: _help(match.group(1)), markdown)
+    if "<!-- openapi -->" in markdown:
+        markdown = markdown.replace("<!-- openapi -->", _openapi())
+    return markdown
