@@ -88,6 +88,28 @@ def slow_model(model_base, tmp_path_factory):
     return make
 
 
+CHROMIUM = "/usr/bin/chromium"
+# Without the background-networking flags Chromium keeps calling Google services on a closed network.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's headless Chromium through playwright (no browser download), for the web page and the docs."""
+    from playwright.sync_api import sync_playwright
+
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} not found: the browser tests drive Debian's headless Chromium; "
+                    "install it with `apt-get install chromium` (scripts/test does)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
 def copy_model_base(model_base: Path, dest: Path) -> Path:
     """A private copy of `model_base` (e.g. to add versions to) at `dest/NAME`."""
     target = dest / model_base.name

@@ -3,7 +3,6 @@ the page against a real `python -m serve` process (Debian's /usr/bin/chromium; n
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 
@@ -11,15 +10,11 @@ import numpy as np
 import pytest
 from app_client import AppClient, LoopThread
 from conftest import MODEL_NAME
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 from serve_process import REPO, ServerProcess
 
 from serve import ServeConfig, ServingCore, create_app
 
-CHROMIUM = "/usr/bin/chromium"
-# Without the background-networking flags Chromium keeps calling Google services on a closed network.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ASSETS = {"/ui/app.js": "text/javascript; charset=utf-8", "/ui/style.css": "text/css; charset=utf-8"}
 # Strong reviews in the bundled corpus's vocabulary: the tiny test model scores them > 0.99. (It calls
 # "A boring, awful mess. I hated every minute." positive: "hated" is not in the corpus, and "every
@@ -81,19 +76,6 @@ def server(model_base, tmp_path_factory):
                         log_path=tmp_path_factory.mktemp("web") / "serve.log")
     yield srv
     assert srv.stop() == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} not found: the web page tests drive Debian's headless Chromium; "
-                    "install it with `apt-get install chromium` (.ci/run does)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 @pytest.fixture
