@@ -22,10 +22,21 @@ from client import ClientError, InvalidURL, NotAuthorized, SentimentClient, Serv
 from client.client import TRANSPORTS
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+EXAMPLES = """examples:
+  two texts, over REST to localhost:8501:
+    python -m client "a fine film" "dull and far too long"
+  one review per line of a file, over gRPC:
+    python -m client --transport grpc --url localhost:8500 --file reviews.txt
+  which n-grams moved the answer:
+    python -m client --explain --top 5 "not bad at all"
+  over TLS with a token:
+    python -m client --url https://sentiment.example:8501 --ca-file ca.pem --token-file token "a fine film"
+"""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m client", description="Sentiment of texts from a TF-Serving-compatible server.")
+    p = argparse.ArgumentParser(prog="python -m client", description="Sentiment of texts from a TF-Serving-compatible server.",
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to classify")
     p.add_argument("--file", help="read texts from this file, one per line ('-': stdin); blank lines are skipped")
     p.add_argument("--url", default=os.environ.get("SENTIMENT_URL"),

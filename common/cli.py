@@ -26,16 +26,18 @@ def option(
     metavar: str | None = None,
     hidden: bool = False,
     shown_default: str | None = None,
+    group: str | None = None,
 ) -> Any:
     """A dataclass field with its command-line description.
 
     flag: the option name when it differs from `--field-name` (e.g. `--request-timeout` for
     `request_timeout_s`); parse: converts the option's text (raise ValueError with a message);
     hidden: left out of `--help` (test hooks); shown_default: the default as the flag spells it,
-    when `parse` converts units.
+    when `parse` converts units; group: a `--help` section that begins at this field (it holds the
+    fields that follow, up to the next one with a group), so a long flag list reads in parts.
     """
     metadata = {"help": help, "flag": flag, "parse": parse, "metavar": metavar, "hidden": hidden,
-                "shown_default": shown_default}
+                "shown_default": shown_default, "group": group}
     if isinstance(default, (list, dict, set)):
         raise TypeError("mutable defaults: use a tuple")
     return dataclasses.field(default=default, metadata=metadata)
@@ -70,7 +72,10 @@ def _converter(parse: Callable[[str], Any], flag: str) -> Callable[[str], Any]:
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     hints = typing.get_type_hints(cls)
+    target = parser
     for field in dataclasses.fields(cls):
+        if field.metadata.get("group"):
+            target = parser.add_argument_group(field.metadata["group"])
         if field.name in skip or not field.init:
             continue
         kind, choices = _base_type(hints[field.name])
@@ -80,7 +85,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, skip: tu
         if field.metadata.get("hidden"):
             help_text = argparse.SUPPRESS
         if kind is bool:
-            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=default,
+            target.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
             continue
         parse = field.metadata.get("parse")
@@ -89,7 +94,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, skip: tu
             shown = ",".join(str(v) for v in shown) or "none"
         if help_text and help_text is not argparse.SUPPRESS and shown != "":
             help_text = f"{help_text} (default: {shown})"
-        parser.add_argument(
+        target.add_argument(
             flag,
             dest=field.name,
             type=_converter(parse, flag) if parse else kind,
@@ -98,6 +103,13 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, skip: tu
             metavar=field.metadata.get("metavar") or (None if choices and not parse else field.name.upper()),
             help=help_text or None,
         )
+
+
+def examples(*pairs: tuple[str, str]) -> dict[str, Any]:
+    """`argparse.ArgumentParser` keywords for an epilog of (command, what it does) examples, printed
+    as written after the options."""
+    lines = [f"  {what}:\n    {command}" for command, what in pairs]
+    return {"epilog": "examples:\n" + "\n".join(lines), "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 def dataclass_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:

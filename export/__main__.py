@@ -13,10 +13,14 @@ quiet_tensorflow()  # before anything imports TensorFlow; --verbose keeps its C+
 
 def parse_args(argv: list[str] | None = None):  # noqa: ANN201 - an ExportConfig (imported lazily)
     """The ExportConfig of a command line; ValueError names the flag to fix."""
-    from common.cli import add_dataclass_arguments, dataclass_from_args
+    from common.cli import add_dataclass_arguments, dataclass_from_args, examples
     from export.config import DEFAULT_SAMPLES, ExportConfig
 
-    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m export", description="Write a training run's checkpoint as "
+                                     "MODEL_DIR/VERSION,\na SavedModel for TF Serving.", **examples(
+        ("python -m export", "runs/default's best checkpoint as the next version of models/sentiment"),
+        ("python -m export --checkpoint-dir runs/imdb --model-dir models/imdb", "another run, another model"),
+        ("python -m export --checkpoint latest --version 7", "the latest checkpoint, as version 7")))
     add_dataclass_arguments(parser, ExportConfig, skip=("samples",))
     parser.add_argument(
         "--sample", dest="samples", action="append", metavar="TEXT",

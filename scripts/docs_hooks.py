@@ -58,6 +58,8 @@ def _config(module: str, name: str) -> str:
     rows = [f"`{module}.{name}`: {config.__doc__.strip()}", "", "| field | flag | default | what |", "|---|---|---|---|"]
     for field in dataclasses.fields(config):
         meta = field.metadata
+        if meta.get("group"):
+            rows.append(f"| **{meta['group']}** | | | |")
         if meta.get("hidden") or "help" not in meta:
             continue
         default = meta.get("shown_default") or repr(field.default)

@@ -15,12 +15,18 @@ quiet_tensorflow()  # before anything imports TensorFlow; --verbose keeps its C+
 
 
 def parse_args(argv: list[str] | None = None):
-    from common.cli import add_dataclass_arguments, dataclass_from_args
+    from common.cli import add_dataclass_arguments, dataclass_from_args, examples
     from serve.config import ServeConfig
 
     parser = argparse.ArgumentParser(
         prog="python -m serve",
-        description="Serve a sentiment SavedModel over TF Serving's REST and gRPC APIs.",
+        description="Serve a sentiment SavedModel over TF Serving's REST and gRPC APIs and KServe V2.",
+        **examples(
+            ("python -m serve", "models/sentiment on :8501, REST only"),
+            ("python -m serve --model-dir models/imdb --grpc-port 8500", "another model, gRPC too"),
+            ("python -m serve --model-config-file models.config --workers 1", "several models, one process"),
+            ("python -m serve --tls-cert tls.crt --tls-key tls.key --auth-token-file tokens",
+             "TLS on both ports, bearer tokens")),
     )
     add_dataclass_arguments(parser, ServeConfig)
     parser.add_argument("--verbose", action="store_true", help="also show TensorFlow's C++ log lines")

@@ -52,7 +52,7 @@ class ServeConfig:
 
     model_dir: str = option(
         "", "one model: its base directory models/NAME holding integer version subdirectories "
-        f"(default: {DEFAULT_MODEL_DIR}, where python -m export writes)")
+        f"(default: {DEFAULT_MODEL_DIR}, where python -m export writes)", group="models")
     model_name: str = option("", "name in /v1/models/NAME (default: the base name of --model-dir)")
     model_config_file: str = option(
         "", "several models: a TF Serving ModelServerConfig text proto (model_config_list), instead of --model-dir"
@@ -68,7 +68,8 @@ class ServeConfig:
             "--model-config-file (default: the directories holding the models configured at start)",
         flag="--model-root", parse=parse_list, metavar="DIR[,DIR]", shown_default="the models' parent directories")
 
-    host: str = option("0.0.0.0", "address to bind (as TF Serving, all interfaces); 127.0.0.1 for local only")
+    host: str = option("0.0.0.0", "address to bind (as TF Serving, all interfaces); 127.0.0.1 for local only",
+                       group="ports and workers")
     port: int = option(8501, "REST port (TF Serving's default REST port)")
     grpc_port: int = option(0, "TF Serving gRPC API port (TF Serving uses 8500); 0: no gRPC")
     workers: int = option(
@@ -78,7 +79,7 @@ class ServeConfig:
     )
 
     tls_cert_file: str = option("", "TLS on both ports: the server's PEM certificate (chain); re-read when it changes",
-                                flag="--tls-cert", metavar="FILE")
+                                flag="--tls-cert", metavar="FILE", group="TLS")
     tls_key_file: str = option("", "with --tls-cert: its PEM private key", flag="--tls-key", metavar="FILE")
     tls_client_ca_file: str = option("", "mTLS: a PEM CA bundle; clients must present a certificate it signed "
                                          "(see --tls-client-auth)", flag="--tls-client-ca", metavar="FILE")
@@ -88,7 +89,7 @@ class ServeConfig:
     auth_token_file: str = option(
         "", "bearer tokens, one per line, re-read when the file changes: inference, metadata and metrics then "
             "need Authorization: Bearer TOKEN (gRPC metadata authorization); health and readiness stay open",
-        metavar="FILE")
+        metavar="FILE", group="tokens")
     admin_token_file: str = option(
         "", "with --auth-token-file and --model-management: the tokens that may manage models (API tokens may not)",
         metavar="FILE")
@@ -98,7 +99,7 @@ class ServeConfig:
     max_connections: int = option(
         1024, "open connections per worker on each port; past it a new REST connection gets an immediate 503, "
               "a new gRPC one a GOAWAY"
-    )
+    , group="connections and their limits")
     header_timeout_s: float = option(
         10.0, "seconds a client has to send a request's headers (slow clients are cut off with 408)",
         flag="--header-timeout", metavar="SECONDS",
@@ -119,7 +120,7 @@ class ServeConfig:
 
     version_policy: VersionPolicy = option(
         "latest", "latest: serve the newest version; all: every version on disk; specific: --versions"
-    )
+    , group="versions")
     versions: tuple[int, ...] = option((), "versions to serve with --version-policy specific, e.g. 1,2",
                                        parse=parse_versions)
     version_labels: tuple[tuple[str, int], ...] = option(
@@ -128,7 +129,7 @@ class ServeConfig:
     poll_interval_s: float = option(1.0, "seconds between scans of --model-dir for new versions; 0: never",
                                     flag="--poll-interval", metavar="SECONDS")
 
-    max_batch_size: int = option(64, "most rows merged into one model call by the dynamic batcher")
+    max_batch_size: int = option(64, "most rows merged into one model call by the dynamic batcher", group="batching")
     batch_timeout_s: float = option(
         0.002, "milliseconds a batch waits for requests already being received", flag="--batch-timeout-ms",
         parse=_milliseconds, metavar="MS", shown_default="2",
@@ -137,7 +138,7 @@ class ServeConfig:
     num_batch_threads: int = option(1, "model calls running at once")
 
     request_timeout_s: float = option(10.0, "per-request deadline for queueing plus the model call, seconds (504)",
-                                      flag="--request-timeout", metavar="SECONDS")
+                                      flag="--request-timeout", metavar="SECONDS", group="requests")
     max_body_bytes: int = option(4 * 1024 * 1024, "largest request body (413), also the largest gRPC message")
     max_rows_per_request: int = option(1024, "most instances (texts) in one request (400)")
     max_text_bytes: int = option(100_000, "longest single text in UTF-8 bytes (400)")
@@ -148,7 +149,7 @@ class ServeConfig:
     drain_delay_s: float = option(0.0, "on SIGTERM, seconds to keep serving (readiness already failing, every "
                                   "answer with Connection: close) before the ports close, so that load balancers "
                                   "and Kubernetes endpoints stop sending first",
-                                  flag="--drain-delay", metavar="SECONDS")
+                                  flag="--drain-delay", metavar="SECONDS", group="drain and logs")
     drain_timeout_s: float = option(10.0, "after the ports close, seconds to finish requests already received",
                                     flag="--drain-timeout", metavar="SECONDS")
     warmup: bool = option(True, "replay assets.extra/tf_serving_warmup_requests before a version goes live")

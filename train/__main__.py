@@ -12,10 +12,17 @@ quiet_tensorflow()  # before anything imports TensorFlow; --verbose keeps its C+
 
 
 def _parser() -> argparse.ArgumentParser:
-    from common.cli import add_dataclass_arguments
+    from common.cli import add_dataclass_arguments, examples
     from train.config import TrainConfig
 
-    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m train", description="Train the sentiment model as DTensor programs on a mesh of devices;\n"
+        "checkpoints, vocabulary and metrics go to --run-dir.", **examples(
+            ("python -m train", "the bundled corpus into runs/default"),
+            ("python -m train --data aclImdb_v1.tar.gz --run-dir runs/imdb", "IMDB, read from its tarball"),
+            ("python -m train --strategy data --devices 4", "data parallel on 4 virtual CPU devices"),
+            ("python -m train --mesh batch=2,model=2 --run-dir runs/imdb", "continue that run on another mesh"),
+            ("python -m train --launch-local 2", "two clients of one mesh on this machine")))
     add_dataclass_arguments(parser, TrainConfig)
     parser.add_argument(
         "--launch-local",

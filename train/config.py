@@ -32,8 +32,7 @@ class TrainConfig:
     data: str = option(
         "bundled",
         "training data: 'bundled' (offline demo corpus), an aclImdb directory or .tar.gz, "
-        "a .csv/.jsonl file (or 'train.csv,test.csv'; .gz read transparently), or tfds:imdb_reviews",
-    )
+        "a .csv/.jsonl file (or 'train.csv,test.csv'; .gz read transparently), or tfds:imdb_reviews", group="data")
     text_field: str = option("text", "text column of CSV/JSONL data")
     label_field: str = option("label", "label column of CSV/JSONL data")
     test_fraction: float = option(0.2, "share of a single CSV/JSONL file held out for testing")
@@ -46,7 +45,7 @@ class TrainConfig:
     limit: int | None = option(None, "use at most this many examples per split (quick runs)")
     run_dir: str = option("runs/default", "where checkpoints, vocabulary, config and metrics go")
 
-    max_tokens: int = option(150_000, "most n-grams in the TF-IDF vocabulary (the model's input width)")
+    max_tokens: int = option(150_000, "most n-grams in the TF-IDF vocabulary (the model's input width)", group="model")
     ngrams: int = option(3, "longest n-gram in the vocabulary: 1 words only, 2 words and word pairs, 3 also "
                                 "word triples")
     sublinear_tf: bool = option(True, "weigh a repeated n-gram by 1 + ln(count) instead of count")
@@ -61,7 +60,7 @@ class TrainConfig:
     devices: int = option(
         0, "number of devices in the mesh (virtual CPUs, or GPUs when present); 0: every GPU when present, else "
            "one virtual CPU device per core this process may use, at most 8 (the size of --mesh when given; 8 "
-           "with several clients)")
+           "with several clients)", group="mesh and devices")
     device_type: Literal["auto", "CPU", "GPU"] = option("auto", "device type; auto uses GPUs when present")
     mesh: str | None = option(None, "mesh as NAME=SIZE,... e.g. batch=4,model=2 (dims: batch, feature, model)")
     strategy: Literal["feature", "data", "model", "spatial"] | None = option(
@@ -71,7 +70,7 @@ class TrainConfig:
         "(batch=N/4,feature=2,model=2)",
     )
 
-    optimizer: Literal["adam", "sgd"] = option("adam", "optimizer")
+    optimizer: Literal["adam", "sgd"] = option("adam", "optimizer", group="optimization")
     learning_rate: float = option(5e-5, "learning rate")
     weight_decay: float = option(0.0, "decoupled weight decay of the kernels, per step and unit learning rate (AdamW)")
     momentum: float = option(0.0, "SGD momentum (0 = plain SGD)")
@@ -86,14 +85,16 @@ class TrainConfig:
         "--checkpoint-every): the host waits for the mesh once per this many steps",
     )
 
-    keep_checkpoints: int = option(2, "latest checkpoints to keep (the best one is always kept too)")
+    keep_checkpoints: int = option(2, "latest checkpoints to keep (the best one is always kept too)",
+                                   group="checkpoints and output")
     checkpoint_every: int = option(0, "also checkpoint every N steps within an epoch (0: end of epoch only)")
     resume: bool = option(True, "continue from the latest checkpoint in --run-dir if there is one")
     progress: bool = option(True, "show progress bars")
     tensorboard: bool = option(True, "write TensorBoard event files to RUN_DIR/tensorboard")
 
     # Multi-client (DTensor's distributed runtime): one process per client.
-    num_clients: int = option(1, "number of clients (processes) in a multi-client mesh")
+    num_clients: int = option(1, "number of clients (processes) in a multi-client mesh",
+                              group="several clients (multi-client DTensor)")
     client_id: int = option(0, "this client's index, 0..num_clients-1")
     jobs: str | None = option(None, "comma-separated host:port of every client (DTENSOR_JOBS)")
 
