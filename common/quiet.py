@@ -5,11 +5,12 @@ logging is initialised, so no environment variable silences them (checked: TF_CP
 GLOG_minloglevel, ABSL_MIN_LOG_LEVEL). `quiet_tensorflow()`, called by each command line before
 anything imports TensorFlow, therefore:
 - sets TF_CPP_MIN_LOG_LEVEL=3 for what TensorFlow logs once it runs (the failed cuInit on a machine
-  without a GPU, the CPU feature notice);
+  without a GPU, the CPU feature notice), unless the user set a level: theirs is kept;
 - gives Python its own duplicate of the terminal's stderr, so Python's messages (logging,
   tracebacks, warnings) never depend on file descriptor 2;
 - points descriptor 2 at /dev/null only while the `tensorflow` package itself is being imported.
-`--verbose`, or a TF_CPP_MIN_LOG_LEVEL the user set, leaves everything as TensorFlow has it.
+The import-time lines go whatever level the user set (the level cannot reach them); `--verbose`, or
+TF_CPP_MIN_LOG_LEVEL=0, leaves everything as TensorFlow has it.
 Child processes (serving workers, local training clients) inherit the choice.
 """
 
@@ -27,18 +28,20 @@ _MARK = "SENTIMENT_QUIET_TENSORFLOW"
 
 
 def quiet_tensorflow(argv: Sequence[str] | None = None) -> bool:
-    """Silence TensorFlow's C++ logs unless `--verbose` is in `argv` or the user set
-    TF_CPP_MIN_LOG_LEVEL; returns whether they are silenced. Call before TensorFlow is imported."""
+    """Silence TensorFlow's C++ start-up lines, and its later logs unless the user set
+    TF_CPP_MIN_LOG_LEVEL (theirs then decides), all unless `--verbose` is in `argv` or the level is
+    0; returns whether the start-up lines are silenced. Call before TensorFlow is imported."""
     argv = sys.argv if argv is None else argv
     verbose = "--verbose" in argv
-    user_level = "TF_CPP_MIN_LOG_LEVEL" in os.environ and os.environ.get(_MARK) != "1"
-    if verbose or user_level or "tensorflow" in sys.modules:
+    user_level = os.environ.get("TF_CPP_MIN_LOG_LEVEL") if os.environ.get(_MARK) != "1" else None
+    if verbose or user_level == "0" or "tensorflow" in sys.modules:
         os.environ.pop(_MARK, None)
-        if verbose and not user_level:
+        if verbose and user_level is None:
             os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)  # inherited from a quiet parent
         return False
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    os.environ[_MARK] = "1"
+    if user_level is None:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+        os.environ[_MARK] = "1"
     _detach_python_stderr()
     if not any(isinstance(f, _QuietImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _QuietImport())
