@@ -98,8 +98,7 @@ class ServeConfig:
 
     max_connections: int = option(
         1024, "open connections per worker on each port; past it a new REST connection gets an immediate 503, "
-              "a new gRPC one a GOAWAY"
-    , group="connections and their limits")
+              "a new gRPC one a GOAWAY", group="connections and their limits")
     header_timeout_s: float = option(
         10.0, "seconds a client has to send a request's headers (slow clients are cut off with 408)",
         flag="--header-timeout", metavar="SECONDS",
@@ -119,8 +118,8 @@ class ServeConfig:
                "connection is retired (gRPC metadata is small, and every header block costs HPACK decoding)")
 
     version_policy: VersionPolicy = option(
-        "latest", "latest: serve the newest version; all: every version on disk; specific: --versions"
-    , group="versions")
+        "latest", "latest: serve the newest version; all: every version on disk; specific: --versions",
+        group="versions")
     versions: tuple[int, ...] = option((), "versions to serve with --version-policy specific, e.g. 1,2",
                                        parse=parse_versions)
     version_labels: tuple[tuple[str, int], ...] = option(
