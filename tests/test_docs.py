@@ -37,6 +37,13 @@ def test_the_readme_is_short_and_undated():
     assert not DATE_OR_TIME.findall(text), DATE_OR_TIME.findall(text)
 
 
+def test_the_readme_and_changelog_link_to_files_that_exist():
+    """GitHub renders them outside the site, so mkdocs' link check does not cover them."""
+    for page in ("README.md", "CHANGELOG.md"):
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", (REPO / page).read_text()):
+            assert (REPO / target).exists(), f"{page} links to {target}, which does not exist"
+
+
 def test_the_guides_and_design_pages_are_undated():
     """Dates belong to the CHANGELOG and to the benchmark tables (once above each), not to prose."""
     for page in (REPO / "docs").rglob("*.md"):
