@@ -40,7 +40,9 @@ def test_the_readme_is_short_and_undated():
 def test_the_readme_and_changelog_link_to_files_that_exist():
     """GitHub renders them outside the site, so mkdocs' link check does not cover them."""
     for page in ("README.md", "CHANGELOG.md"):
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", (REPO / page).read_text()):
+        targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", (REPO / page).read_text())
+        assert targets, f"{page} links to no file"
+        for target in targets:
             assert (REPO / target).exists(), f"{page} links to {target}, which does not exist"
 
 
