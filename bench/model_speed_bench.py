@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from results import record
+
 REPO = Path(__file__).resolve().parents[1]
 IMDB_TEST = REPO.parent / "shared" / "data" / "imdb" / "test.jsonl.gz"
 
@@ -102,21 +104,35 @@ def main() -> None:
                 print(f"  batch {batch} round {r + 1}: " + ", ".join(
                     f"{n} {v[-1]:,.0f}" for n, v in rates[batch].items()), file=sys.stderr, flush=True)
 
-    print(f"\nModel speed, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPU cores, {source}, "
-          f"run {run_dir.name}; median of {a.rounds} alternating rounds of {a.seconds:g}s each:")
-    print(f"{'batch':<6} | {'this (reviews/s)':>17} | {'baseline':>10} | ratio")
+    rows = []
     for batch, by_name in rates.items():
         this, base = float(np.median(by_name["this"])), float(np.median(by_name["baseline"]))
-        print(f"{batch:<6} | {this:>17,.0f} | {base:>10,.0f} | {this / base:.2f}x")
-    for batch, by_name in rates.items():
-        this, explain = float(np.median(by_name["this"])), float(np.median(by_name["this explain"]))
-        print(f"explain at batch {batch}: {explain:,.0f} reviews/s, {1e3 / explain:.3f} ms per review, "
-              f"{this / explain:.2f}x the cost of a predict ({1e3 / this:.3f} ms)")
+        explain = float(np.median(by_name["this explain"]))
+        rows.append([batch, f"{this:,.0f}", f"{base:,.0f}", f"{this / base:.2f}x",
+                     f"{explain:,.0f} ({1e3 / explain:.3f} ms per review)", f"{this / explain:.2f}x"])
+    columns = ["batch", "this (reviews/s)", "baseline", "ratio", "explain (reviews/s)", "explain / predict cost"]
+    print(f"\nModel speed, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPU cores, {source}, "
+          f"run {run_dir.name}; median of {a.rounds} alternating rounds of {a.seconds:g}s each:")
+    print(" | ".join(columns))
+    for row in rows:
+        print(" | ".join(str(cell) for cell in row))
     diff = float(np.max(np.abs(answers["this"] - answers["baseline"])))
     same_labels = float(np.mean(answers["this"].argmax(1) == answers["baseline"].argmax(1)))
-    print(f"answers on the {len(texts)} reviews: largest probability difference {diff:.3g}, "
-          f"the same label for {same_labels:.2%}")
+    agreement = (f"answers on the {len(texts)} reviews: largest probability difference {diff:.3g}, "
+                 f"the same label for {same_labels:.2%}")
+    print(agreement)
+    record("model_speed", columns, rows, notes=[agreement], settings={
+        "baseline": _commit_of(Path(a.baseline)), "reviews": source, "rounds": a.rounds, "seconds": a.seconds,
+        "model": f"{vocabulary_size(run_dir)} n-grams, run {run_dir.name}"})
 
+
+def _commit_of(checkout: Path) -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    return done.stdout.strip() or str(checkout)
+
+
+def vocabulary_size(run_dir: Path) -> int:
+    return len(json.loads((run_dir / "vocabulary.json").read_text())["vocabulary"])
 
 if __name__ == "__main__":
     main()

@@ -36,6 +36,8 @@ IMDB = REPO.parent / "shared" / "data" / "imdb" / "train.jsonl.gz"
 sys.path.insert(0, str(REPO))
 from train.config import TrainConfig  # noqa: E402 - TensorFlow-free; after the path above
 
+from results import record  # noqa: E402 - bench/results.py, beside this script
+
 SETTINGS = {
     "default": {name: getattr(TrainConfig(), name) for name in ("max_tokens", "ngrams", "sublinear_tf", "normalize",
                                                                 "min_df")},
@@ -287,9 +289,11 @@ def main() -> int:
     names = args.only.split(",") if args.only else list(CONFIGS)
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPU core(s), load average {os.getloadavg()[0]:.1f}; "
           f"batch {args.batch_size}, hidden {args.hidden}, {args.steps_per_call} steps/call (DTensor and (b))")
+    rows, widths = [], {}
     for config_name in args.config.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             total, width, source = prepare(Path(tmp), dict(SETTINGS[config_name]), args.examples)
+            widths[config_name] = width
             print(f"\n[{config_name}] {SETTINGS[config_name]}: vocabulary width {width} from {total} reviews of "
                   f"{source}; timed on the first {args.examples}")
             results = {}
@@ -297,24 +301,32 @@ def main() -> int:
                 results[name] = run_config(name, Path(tmp), args)
                 print(f"  measured {name}: {results[name]['examples_per_s']:.0f} examples/s", file=sys.stderr,
                       flush=True)
-        _table(results)
+        rows += [[config_name, *row] for row in _table(results)]
+    record("train_speed", ["configuration", "mesh", "steps/s", "examples/s", "peak RSS MB", "vs (a)", "vs (b)"], rows,
+           settings={"batch_size": args.batch_size, "hidden": args.hidden, "steps_per_call": args.steps_per_call,
+                     "examples": f"{args.examples} reviews of {source}", "seconds": args.seconds,
+                     "vocabulary widths": widths})
     return 0
 
 
-def _table(results: dict[str, dict]) -> None:
+def _table(results: dict[str, dict]) -> list[list[str]]:
+    """Prints the configuration's table, returns its rows."""
     b = results.get("(b) plain 1 device", {}).get("examples_per_s")
     a = results.get("(a) tutorial repack x8", {}).get("examples_per_s")
-    print(f"  {'configuration':<24} {'steps/s':>8} {'examples/s':>11} {'peak RSS MB':>12} {'vs (a) x8':>10} "
+    print(f"  {'mesh':<24} {'steps/s':>8} {'examples/s':>11} {'peak RSS MB':>12} {'vs (a) x8':>10} "
           f"{'vs (b)':>7}")
+    rows = []
     for name, r in results.items():
         vs_a = f"{r['examples_per_s'] / a:.2f}x" if a and CONFIGS[name][0] == "dtensor" else "-"
         vs_b = f"{100 * r['examples_per_s'] / b:.0f}%" if b else "-"
         print(f"  {name:<24} {r['steps_per_s']:>8.1f} {r['examples_per_s']:>11.0f} {r['peak_rss_mb']:>12.0f} "
               f"{vs_a:>10} {vs_b:>7}")
+        rows.append([name, f"{r['steps_per_s']:.1f}", f"{r['examples_per_s']:,.0f}", f"{r['peak_rss_mb']:,.0f}",
+                     vs_a, vs_b])
         if "train_ms_per_step" in r:
             print(f"    {1e3 / r['steps_per_s']:.0f} ms/step = compiled step alone {r['train_ms_per_step']:.0f} ms"
                   f" + input alone (vectorize, cut, pack) {r['input_ms_per_step']:.0f} ms, less what overlaps")
-
+    return rows
 
 if __name__ == "__main__":
     sys.exit(main())
