@@ -5,7 +5,8 @@ defaults and help (the metadata `common.cli.option` gives each field, from which
 `<!-- cli: NAME -->` becomes what `python -m NAME --help` prints (the CLIs are generated from the
 config dataclasses, and `--help` never imports TensorFlow, so this is instant), and
 `<!-- openapi -->` becomes the server's OpenAPI document for one model named `sentiment`: a table of
-its routes and the whole JSON. `<!-- include: FILE -->` becomes that file of the repository (the
+its routes and the whole JSON. `<!-- bench: NAME -->` becomes the table a benchmark last wrote to bench/results/NAME.json
+(`bench/results.py`), with where and when it was measured once above it. `<!-- include: FILE -->` becomes that file of the repository (the
 CHANGELOG), its links into `docs/` made relative to the site.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CLI = re.compile(r"<!-- cli: (\w+) -->")
 CONFIG = re.compile(r"<!-- config: ([\w.]+)\.(\w+) -->")
+BENCH = re.compile(r"<!-- bench: (\w+) -->")
 INCLUDE = re.compile(r"<!-- include: ([\w./-]+) -->")
 
 
@@ -68,12 +70,30 @@ def _config(module: str, name: str) -> str:
     return "\n".join(rows)
 
 
+def _bench(name: str) -> str:
+    path = REPO / "bench" / "results" / f"{name}.json"
+    if not path.exists():
+        from mkdocs.exceptions import PluginError
+
+        raise PluginError(f"{path.relative_to(REPO)} is missing: run the benchmark the page names above "
+                          f"<!-- bench: {name} --> (it writes that file)")
+    result = json.loads(path.read_text())
+    host = result["host"]
+    settings = ", ".join(f"{key} {value}" for key, value in result["settings"].items())
+    lines = [f"Last run {result['date']} on {host['cpu']} ({host['cores']} cores), commit {result['commit']}: "
+             f"`{result['command']}`" + (f"; {settings}." if settings else "."), "",
+             "| " + " | ".join(result["columns"]) + " |", "|" + "---|" * len(result["columns"])]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in result["rows"]]
+    return "\n".join(lines + [""] + [f"{note[0].upper()}{note[1:]}." for note in result["notes"]])
+
+
 def _include(name: str) -> str:
     return (REPO / name).read_text().replace("](docs/", "](")
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ANN001, ARG001 - MkDocs' hook signature
     markdown = INCLUDE.sub(lambda match: _include(match.group(1)), markdown)
+    markdown = BENCH.sub(lambda match: _bench(match.group(1)), markdown)
     markdown = CONFIG.sub(lambda match: _config(match.group(1), match.group(2)), markdown)
     markdown = CLI.sub(lambda match: _help(match.group(1)), markdown)
     if "<!-- openapi -->" in markdown:

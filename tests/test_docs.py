@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import http.server
+import json
 import re
 import subprocess
 import sys
@@ -79,6 +80,10 @@ def test_the_site_builds_strictly_with_the_reference_generated_from_the_code(sit
     assert all(f"usage: python -m {stage}" in cli_page for stage in ("train", "export", "serve", "client"))
     assert "/v1/models/{model}:predict" in (site / "reference" / "openapi" / "index.html").read_text()
     assert "Needs a re-export or a retrain" in (site / "changelog" / "index.html").read_text()
+    benchmarks = (site / "benchmarks" / "index.html").read_text()
+    for result in sorted((REPO / "bench" / "results").glob("*.json")):  # each bench's last run, rendered
+        assert f"<!-- bench: {result.stem} -->" in (REPO / "docs" / "benchmarks" / "index.md").read_text(), result
+        assert json.loads(result.read_text())["rows"][0][1] in benchmarks, result
 
 
 @pytest.mark.slow
