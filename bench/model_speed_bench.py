@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results import record
+from results import commit_of, record
 
 REPO = Path(__file__).resolve().parents[1]
 IMDB_TEST = REPO.parent / "shared" / "data" / "imdb" / "test.jsonl.gz"
@@ -122,13 +122,8 @@ def main() -> None:
                  f"the same label for {same_labels:.2%}")
     print(agreement)
     record("model_speed", columns, rows, notes=[agreement], settings={
-        "baseline": _commit_of(Path(a.baseline)), "reviews": source, "rounds": a.rounds, "seconds": a.seconds,
+        "baseline": commit_of(Path(a.baseline)), "reviews": source, "rounds": a.rounds, "seconds": a.seconds,
         "model": f"{vocabulary_size(run_dir)} n-grams, run {run_dir.name}"})
-
-
-def _commit_of(checkout: Path) -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
-    return done.stdout.strip() or str(checkout)
 
 
 def vocabulary_size(run_dir: Path) -> int:

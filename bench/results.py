@@ -19,9 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
-def _commit() -> str:
+def commit_of(checkout: Path = REPO) -> str:
+    """The checkout's short commit, `+changes` when tracked files differ from it."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
@@ -44,7 +45,7 @@ def record(name: str, columns: list[str], rows: list[list[Any]], settings: dict[
     result = {
         "benchmark": name,
         "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
-        "commit": _commit(),
+        "commit": commit_of(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": {"cpu": _cpu(), "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2)},
         "settings": settings or {},

@@ -1,17 +1,20 @@
-"""MkDocs hooks: the reference pages that are generated from the code at build time.
+"""MkDocs hooks: the pages, or parts of them, that are generated from the repository at build time.
 
-`<!-- config: MODULE.CLASS -->` becomes a table of a config dataclass's fields with their flags,
-defaults and help (the metadata `common.cli.option` gives each field, from which `--help` is made too),
-`<!-- cli: NAME -->` becomes what `python -m NAME --help` prints (the CLIs are generated from the
-config dataclasses, and `--help` never imports TensorFlow, so this is instant), and
-`<!-- openapi -->` becomes the server's OpenAPI document for one model named `sentiment`: a table of
-its routes and the whole JSON. `<!-- bench: NAME -->` becomes the table a benchmark last wrote to bench/results/NAME.json
-(`bench/results.py`), with where and when it was measured once above it. `<!-- include: FILE -->` becomes that file of the repository (the
-CHANGELOG), its links into `docs/` made relative to the site.
+- `<!-- config: MODULE.CLASS -->`: a table of a config dataclass's fields with their flags, defaults
+  and help (the metadata `common.cli.option` gives each field, from which `--help` is made too);
+- `<!-- cli: NAME -->`: what `python -m NAME --help` prints (instant: `--help` imports no TensorFlow);
+- `<!-- openapi -->`: the server's OpenAPI document for one model named `sentiment`, a table of its
+  routes and the whole JSON;
+- `<!-- bench: NAME -->`: the table a benchmark last wrote to bench/results/NAME.json
+  (`bench/results.py`), with where and when it was measured once above it;
+- `<!-- include: FILE -->`: that file of the repository (the CHANGELOG), its links into `docs/` made
+  relative to the site.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import os
 import re
@@ -20,6 +23,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the code the reference pages are generated from
 CLI = re.compile(r"<!-- cli: (\w+) -->")
 CONFIG = re.compile(r"<!-- config: ([\w.]+)\.(\w+) -->")
 BENCH = re.compile(r"<!-- bench: (\w+) -->")
@@ -34,7 +38,6 @@ def _help(command: str) -> str:
 
 
 def _openapi() -> str:
-    sys.path.insert(0, str(REPO))
     from serve.config import ServeConfig
     from serve.http.openapi import openapi_spec
 
@@ -50,14 +53,11 @@ def _openapi() -> str:
 
 
 def _config(module: str, name: str) -> str:
-    import dataclasses
-    import importlib
-
-    sys.path.insert(0, str(REPO))
     from common.cli import flag_of
 
     config = getattr(importlib.import_module(module), name)
-    rows = [f"`{module}.{name}`: {config.__doc__.strip()}", "", "| field | flag | default | what |", "|---|---|---|---|"]
+    rows = [f"`{module}.{name}`: {config.__doc__.strip()}", "",
+            "| field | flag | default | what |", "|---|---|---|---|"]
     for field in dataclasses.fields(config):
         meta = field.metadata
         if meta.get("group"):

@@ -71,7 +71,7 @@ def test_the_site_builds_strictly_with_the_reference_generated_from_the_code(sit
     from serve.config import ServeConfig
 
     client_page = (site / "reference" / "client" / "index.html").read_text()
-    public = [name for name in vars(SentimentClient) if not name.startswith("_") and callable(getattr(SentimentClient, name))]
+    public = [name for name, member in vars(SentimentClient).items() if not name.startswith("_") and callable(member)]
     assert public and all(f'id="client.SentimentClient.{name}"' in client_page for name in public), public
     config_page = (site / "reference" / "config" / "index.html").read_text()
     assert all(f"<code>{f.name}</code>" in config_page for f in dataclasses.fields(ServeConfig)
@@ -134,7 +134,8 @@ def test_the_getting_started_queries_run_as_written(model_base, tmp_path):
             if command.startswith("python -m client"):
                 command = command.replace("python -m client", f"{sys.executable} -m client --url {server.url}", 1)
             done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-            assert done.returncode == 0 and re.search(r"positive|negative", done.stdout), (command, done.stdout, done.stderr)
+            assert done.returncode == 0 and re.search(r"positive|negative", done.stdout), \
+                (command, done.stdout, done.stderr)
         [program] = code_blocks("getting-started.md", "python")
         done = subprocess.run([sys.executable, "-c", program.replace("http://localhost:8501", server.url)],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
