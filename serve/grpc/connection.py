@@ -64,8 +64,9 @@ from serve.http2.machine import Limits, ServerConnection
 log = logging.getLogger(__name__)
 
 TURN_FRAMES = 64
-"""Frames of one connection read per event-loop turn (a millisecond or two of Python at worst: a
-frame's cost is about the same whatever its size, and a HEADERS frame of a few bytes opens a call)."""
+"""Frames of one connection read per event-loop turn. Counted in frames, not bytes: a frame's cost is
+about the same whatever its size, and a HEADERS frame of a few bytes opens a call
+(docs/design/transports.md)."""
 BUFFER_LIMIT = 4
 """Incomplete request messages one connection may hold, in largest messages, before its window is
 no longer credited."""
