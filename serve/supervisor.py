@@ -55,7 +55,11 @@ def _worker_main(config: ServeConfig, sock: socket.socket, index: int, parent: i
     early: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: early.append(signum))  # until the server takes over
     _exit_with_parent(parent)
+    # A spawned child does not run serve/__main__.py again (multiprocessing skips `__main__`
+    # modules), so it chooses TensorFlow's quiet here, from the same command line and environment.
+    from common.quiet import quiet_tensorflow
 
+    quiet_tensorflow()
     from serve.worker import run_worker
 
     sys.exit(run_worker(config, sock, index, stop_requested=early, peer_dir=peer_dir, loads=loads,

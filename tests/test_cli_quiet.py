@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from serve_process import CPP_LOG, REPO
+from serve_process import CPP_LOG, REPO, ServerProcess
 
 
 IMPORT_LINES = re.compile(r"All log messages before absl|oneDNN custom operations|cudart_stub|cpu_feature_guard")
@@ -73,3 +73,12 @@ def test_a_real_export_is_quiet_and_verbose_brings_the_lines_back(trained_run, t
     verbose = run("-m", "export", "--checkpoint-dir", str(trained_run), "--model-dir", str(tmp_path / "m"),
                   "--verbose")
     assert verbose.returncode == 0 and CPP_LOG.search(verbose.stderr), verbose.stderr
+
+
+@pytest.mark.slow
+def test_serving_workers_are_quiet_too(model_base, tmp_path):
+    """Workers are spawned processes, which do not run `python -m serve`'s entry point again."""
+    server = ServerProcess(model_base, "--workers", "2", log_path=tmp_path / "serve.log")
+    assert server.stop() == 0, server.log()
+    log = server.log(full=True)
+    assert log.count("version 1 live") == 2 and not CPP_LOG.search(log), log[:3000]
