@@ -52,6 +52,22 @@ def saved_models(directory: str) -> list[ModelSource] | None:
         return None
 
 
+def _remove_if_last(directory: str) -> None:
+    """The last worker out removes the directory, also when the supervisor was killed. Siblings stop
+    at the same moment (one SIGTERM reaches them all), so any of them may already have removed it."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    if any(name.endswith(".sock") for name in names):
+        return
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
+
+
 class Peers:
     """This worker's side of the channel: it answers its siblings and asks them."""
 
@@ -75,17 +91,9 @@ class Peers:
         if self._server is not None:
             self._server.close()
             self._server = None
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self._path(self.index))
-        except OSError:
-            pass
-        if not any(name.endswith(".sock") for name in os.listdir(self.directory)):
-            # the last worker out removes the directory, also when the supervisor was killed
-            for name in os.listdir(self.directory):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(self.directory, name))
-            with contextlib.suppress(OSError):
-                os.rmdir(self.directory)
+        _remove_if_last(self.directory)
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
