@@ -44,9 +44,11 @@ def configure_devices(num_devices: int, device_type: DeviceType = "auto") -> str
     """
     if num_devices < 1:
         raise MeshError(f"--devices must be at least 1, got {num_devices}")
+    _without_memory_optimizer()
     gpus = tf.config.list_physical_devices("GPU")
     if device_type == "GPU" and not gpus:
-        raise MeshError("--device-type GPU was asked for but TensorFlow sees no GPU")
+        raise MeshError("--device-type GPU was asked for but TensorFlow sees no GPU "
+                        "(--verbose shows what it reported)")
     if device_type != "CPU" and gpus:
         if num_devices > len(gpus):
             raise MeshError(f"--devices {num_devices} but only {len(gpus)} GPU(s) are visible")
@@ -65,6 +67,28 @@ def configure_devices(num_devices: int, device_type: DeviceType = "auto") -> str
             "devices are fixed once TensorFlow starts, so run in a fresh process"
         )
     return "CPU"
+
+
+def _without_memory_optimizer() -> None:
+    """Turn off grappler's memory optimizer for this process's functions, before TensorFlow starts.
+
+    Its cost model does not reconcile the matrix shapes of the DTensor training programs and logs
+    "op_level_cost_estimator.cc: Incompatible Matrix dimensions" E-lines between the epoch lines,
+    which every log level but 3 lets through (tests/test_cli_quiet.py counts them). What it optimizes (swapping activations to the host, recomputation) has nothing to
+    act on in a model of two small layers: the step time is the same without it
+    (bench/train_bench.py). TensorFlow has no public switch for it, hence the eager context's
+    ConfigProto; once the context runs, this changes nothing (a later call is harmless).
+    """
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+    from tensorflow.python.eager import context
+
+    config = config_pb2.ConfigProto()
+    config.graph_options.rewrite_options.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    ctx = context.context()
+    if ctx._config is None:  # noqa: SLF001 - no public switch (see the docstring)
+        ctx._config = config  # noqa: SLF001
+    else:
+        ctx._config.MergeFrom(config)  # noqa: SLF001
 
 
 def export_cluster_env(num_clients: int, client_id: int, jobs: Sequence[str]) -> None:

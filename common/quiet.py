@@ -8,7 +8,10 @@ anything imports TensorFlow, therefore:
   without a GPU, the CPU feature notice), unless the user set a level: theirs is kept;
 - gives Python its own duplicate of the terminal's stderr, so Python's messages (logging,
   tracebacks, warnings) never depend on file descriptor 2;
-- points descriptor 2 at /dev/null only while the `tensorflow` package itself is being imported.
+- points descriptor 2 at /dev/null only while the `tensorflow` package itself is being imported and
+  its devices are listed once (listing them is what tries CUDA, whose failed cuInit on a machine
+  without a GPU is an E-line that every level but 3 lets through; `--device-type GPU` on such a
+  machine is refused by `common.mesh` with its own message).
 The import-time lines go whatever level the user set (the level cannot reach them); `--verbose`, or
 TF_CPP_MIN_LOG_LEVEL=0, leaves everything as TensorFlow has it.
 Child processes (serving workers, local training clients) inherit the choice.
@@ -86,6 +89,7 @@ class _QuietLoader(importlib.abc.Loader):
         try:
             with _fd2_silenced():
                 self._loader.exec_module(module)
+                module.config.list_physical_devices()
         finally:  # from now on the package looks exactly as if imported normally
             module.__loader__ = self._loader
             if module.__spec__ is not None:

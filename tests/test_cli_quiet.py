@@ -82,3 +82,17 @@ def test_serving_workers_are_quiet_too(model_base, tmp_path):
     assert server.stop() == 0, server.log()
     log = server.log(full=True)
     assert log.count("version 1 live") == 2 and not CPP_LOG.search(log), log[:3000]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [None, "2"], ids=["level-unset", "level-2"])
+def test_a_real_training_run_prints_no_tensorflow_lines(tmp_path, level):
+    """On the default (feature-sharded) mesh, where grappler's cost model used to log "Incompatible
+    Matrix dimensions" E-lines between the epochs, and with the usual TF_CPP_MIN_LOG_LEVEL=2, which
+    lets ERROR lines such as the failed cuInit of a machine without a GPU through."""
+    out = run("-m", "train", "--no-progress", "--no-refit", "--limit", "400", "--epochs", "2", "--max-tokens", "2000",
+              "--run-dir", str(tmp_path / "run"), **({"TF_CPP_MIN_LOG_LEVEL": level} if level else {}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "epoch 2" in out.stderr and "test accuracy" in out.stdout + out.stderr, out.stderr[-3000:]
+    lines = CPP_LOG.findall(out.stdout + out.stderr)
+    assert lines == [], out.stderr[-3000:]
