@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import http.server
 import json
+import os
 import re
 import subprocess
 import sys
@@ -143,5 +144,101 @@ def test_the_getting_started_queries_run_as_written(model_base, tmp_path):
         answers = [line.split() for line in done.stdout.splitlines()]
         assert len(answers) == 2 and all(label in ("positive", "negative") and 0.5 <= float(score) <= 1
                                          for label, score in answers), done.stdout
+    finally:
+        assert server.stop() == 0
+
+
+GUIDE_PAGES = ["getting-started.md", *(f"guides/{p.name}" for p in sorted((REPO / "docs" / "guides").glob("*.md")))]
+STAGES = ("train", "export", "serve", "client")
+PARSE_ONLY = """
+import json, sys
+stage, cases = sys.argv[1], json.loads(sys.argv[2])
+if stage == "train":
+    from train.__main__ import _config, _parser
+
+    def parse(argv):
+        parser = _parser()
+        args = parser.parse_args(argv)
+        return args if args.launch_local else _config(parser, args)
+else:
+    parse = __import__(f"{stage}.__main__", fromlist=["parse_args"]).parse_args
+for page, argv in cases:
+    try:
+        parse(argv)
+    except (SystemExit, ValueError) as exc:
+        print(f"{page}: python -m {stage} {' '.join(argv)}: {exc}", file=sys.stderr)
+        sys.exit(1)
+"""
+
+
+def guide_commands() -> dict[str, list[tuple[str, list[str]]]]:
+    """Every `python -m STAGE ...` line of the guides' shell blocks, by stage: (page, argv)."""
+    import shlex
+
+    commands: dict[str, list[tuple[str, list[str]]]] = {stage: [] for stage in STAGES}
+    for page in GUIDE_PAGES:
+        for block in code_blocks(page, "bash"):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line.split("  #")[0], comments=True)
+                while words and re.fullmatch(r"\w+=\S*", words[0]):  # VAR=value before the command
+                    words.pop(0)
+                if words[:2] in (["python", "-m"], ["python3", "-m"]) and len(words) > 2 and words[2] in STAGES:
+                    commands[words[2]].append((page, words[3:]))
+    return commands
+
+
+def test_every_command_line_in_the_guides_parses_with_the_flags_it_has(tmp_path):
+    """The guides' `python -m ...` lines, parsed (not run) by their command's own parser and config
+    checks, in a directory that holds the input files they name: a renamed or removed flag,
+    or a value the command refuses, fails here."""
+    commands = guide_commands()
+    assert all(commands[stage] for stage in STAGES), {stage: len(found) for stage, found in commands.items()}
+    for word in {word for cases in commands.values() for _, argv in cases for word in argv}:
+        if re.fullmatch(r"[\w-]+\.(txt|pem|crt|key)|tokens?", word):
+            (tmp_path / word).write_text("a fine film\n" if word.endswith(".txt") else "t0ken\n")
+    for stage, cases in commands.items():
+        done = subprocess.run([sys.executable, "-c", PARSE_ONLY, stage, json.dumps(cases)], cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_client_guide_runs_as_written(model_base, tmp_path):
+    """The client guide's Python session and its command lines, REST and both gRPC transports,
+    against a real server of the test model (its addresses in place of localhost:8501 and :8500);
+    the lines that need a certificate or a token are covered by the security tests."""
+    from serve_process import ServerProcess
+
+    server = ServerProcess(model_base, grpc=True, log_path=tmp_path / "serve.log")
+    rest, grpc = server.url.removeprefix("http://"), server.grpc_target
+
+    def here(text: str) -> str:
+        return text.replace("localhost:8501", rest).replace("localhost:8500", grpc)
+
+    try:
+        session = code_blocks("guides/client.md", "python")[0].split("\n\n")
+        program = here("\n\n".join(part for part in session if "ca_file" not in part))
+        done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert len(done.stdout.splitlines()) == 2 and all(line.split()[0] in ("positive", "negative")
+                                                           for line in done.stdout.splitlines()), done.stdout
+        (tmp_path / "reviews.txt").write_text("great movie\nawful plot\n")
+        lines = [line.split("  #")[0].strip() for block in code_blocks("guides/client.md", "bash")
+                 for line in block.splitlines() if line.startswith("python -m client") and "--ca-file" not in line]
+        assert len(lines) >= 4, lines
+        for line in lines:
+            command = here(line).replace("python -m client", f"{sys.executable} -m client", 1)
+            if "--url" not in command:
+                command += f" --url {server.url}"
+            done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+            assert done.returncode == 0 and re.search(r"positive|negative", done.stdout), \
+                (command, done.stdout, done.stderr)
+        [stock] = [block for block in code_blocks("guides/client.md", "python") if "tensorflow_serving" in block]
+        done = subprocess.run([sys.executable, "-c", here(stock)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0 and "string_val" in done.stdout, done.stderr[-3000:]
     finally:
         assert server.stop() == 0
