@@ -1,12 +1,10 @@
 """Listening sockets, and who takes a new connection when `--workers N` share one.
 
-Every worker accepts from the one listening socket the supervisor bound. Left to the kernel (and
-uvloop, which accepts every queued connection per wake-up), whichever worker wakes first takes a
-burst: measured, 16 keep-alive connections gave one worker 20,786 requests and the other 1; one
-SO_REUSEPORT socket per worker spreads them by a hash instead, still unevenly (32 connections
-split up to 29/71 in 4 runs here). So each worker accepts one connection at a time, and only while
-it holds no more open connections than the least loaded worker (`AcceptGate`): connections spread
-evenly, and a worker that is busy with long requests takes fewer new ones.
+Every worker accepts from the one listening socket the supervisor bound, one connection at a time
+and only while it holds no more open connections than the least loaded worker (`AcceptGate`), so
+connections spread evenly and a worker that is busy with long requests takes fewer new ones. Why
+not leave it to the kernel or to one SO_REUSEPORT socket per worker: docs/design/transports.md,
+"The accept gate".
 """
 
 from __future__ import annotations
