@@ -5,7 +5,8 @@
 Only what a benchmark needs: requests, bodies, answers within the client's windows (the rest
 queued until WINDOW_UPDATE), resets, GOAWAY (sent as a frame of our own, because h2's
 `close_connection` ends every open stream and the drain answers them after it). The server's own
-flood budgets are not reproduced: h2 has none, so a speed figure is all this can show.
+flood budgets, the per-turn frame budget included, are not reproduced: h2 has none, so a speed
+figure is all this can show.
 """
 
 from __future__ import annotations
@@ -74,7 +75,12 @@ class H2Machine:
         if limits.connection_window > DEFAULT_WINDOW:
             self._conn.increment_flow_control_window(limits.connection_window - DEFAULT_WINDOW)
 
-    def receive(self, data: bytes) -> list:
+    @property
+    def backlogged(self) -> bool:
+        """Never: h2 parses every frame it is given (no per-turn frame budget)."""
+        return False
+
+    def receive(self, data: bytes, max_frames: int | None = None) -> list:  # noqa: ARG002 - see backlogged
         if self.terminated:
             return []
         self._received += len(data)

@@ -218,6 +218,22 @@ def test_many_concurrent_calls_on_one_channel(port):
         assert [f.result() for f in futures] == [str(i).encode() * 100 for i in range(300)]
 
 
+
+def test_the_benchmarks_h2_adapter_still_speaks_the_machines_interface(monkeypatch):
+    """bench/serve_bench.py --grpc-transports h2 swaps the machine for python-hyper's h2 through
+    GrpcConnection.machine_class: a change to the interface the shell uses must not leave it behind."""
+    pytest.importorskip("h2")
+    from bench.h2_machine import H2Machine
+
+    monkeypatch.setattr(GrpcConnection, "machine_class", H2Machine)
+    with _serving() as h2_port:
+        request = bytes(range(256)) * (3 << 12)
+        assert _call(h2_port, "/test.T/Echo", request) == request
+        assert len(_call(h2_port, "/test.T/Big", b"3000000")) == 3_000_000
+        with pytest.raises(grpc.RpcError) as failed:
+            _call(h2_port, "/test.T/Fail", b"")
+        assert failed.value.code() == grpc.StatusCode.NOT_FOUND
+
 # -- a raw HTTP/2 client --------------------------------------------------------------------------
 
 class Raw:
