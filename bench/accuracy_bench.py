@@ -1,6 +1,6 @@
 """Accuracy benchmark: the default training run against scikit-learn baselines on the same split.
 
-    python bench/accuracy_bench.py [--data TRAIN,TEST] [--short N] [-- extra python -m train flags]
+    python bench/accuracy_bench.py [--data TRAIN,TEST] [--short N] [--bundled] [-- extra python -m train flags]
 
 For each dataset it runs `python -m train` with the default configuration (a real process: the
 wall time covers vocabulary, training and evaluation; peak RSS is that process's own) and, in the
@@ -9,7 +9,9 @@ all uni+bigrams (min_df 2, sublinear tf, C=4), and the strong linear baseline: l
 all uni+bi+trigrams scaled by their naive-Bayes log-count ratios (NBSVM's features, C=16). Datasets:
   - `--data` (default: the IMDB copy at ../shared/data/imdb when it exists, else the bundled corpus);
   - with `--short N` also N short reviews made from it: the first sentence of each review, at most 30
-    words (a stand-in for one-line review data, to check the defaults are not tuned to long texts).
+    words (a stand-in for one-line review data, to check the defaults are not tuned to long texts);
+  - with `--bundled` also the corpus bundled with the package (what `python -m train` reads by default).
+The table goes to bench/results/accuracy.json (the docs' benchmark page renders it).
 scikit-learn is a bench extra: pip install -e ".[bench]".
 """
 
@@ -27,6 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from results import record  # bench/results.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 IMDB = REPO.parent / "shared" / "data" / "imdb"
@@ -120,6 +124,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=default_data(), help="train,test files or any --data of python -m train")
     p.add_argument("--short", type=int, default=0, help="also N short reviews made from --data (0: not)")
+    p.add_argument("--bundled", action="store_true", help="also the bundled corpus (when --data is not it)")
     p.add_argument("train_flags", nargs="*", help="extra flags for python -m train (after --)")
     a = p.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M")
@@ -128,6 +133,8 @@ def main() -> None:
         datasets = [("data", a.data)]
         if a.short:
             datasets.append((f"short ({a.short})", make_short(a.data, a.short, workdir)))
+        if a.bundled and a.data != "bundled":
+            datasets.append(("bundled", "bundled"))
         rows = []
         for label, spec in datasets:
             print(f"[{label}] training the default configuration ...", file=sys.stderr, flush=True)
@@ -148,6 +155,7 @@ def main() -> None:
         best_lr = max(result["accuracy"] for result in base.values())
         print(f"  vs best logistic regression: {ours['accuracy'] - best_lr:+.2%}; vs LR on all uni+bigrams: "
               f"{ours['accuracy'] - base['LR, uni+bigrams']['accuracy']:+.2%}")
+    record_table(rows, a)
     label, spec, ours, _ = rows[0]
     if spec.startswith(str(IMDB)):
         checks = [("test accuracy >= 91.9% (NBSVM uni+bi+trigrams, Mesnil et al. 2015)", ours["accuracy"] >= 0.919),
@@ -155,6 +163,28 @@ def main() -> None:
                   ("wall time <= 10 min", ours["seconds"] <= 600),
                   ("peak RSS <= 6 GB", ours["peak_rss_mb"] <= 6 * 1024)]
         print("\nTargets (IMDB, default flags): " + "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in checks))
+
+
+def describe(spec: str) -> str:
+    if spec.startswith(str(IMDB)):
+        return "IMDB, official 25k/25k split"
+    return "bundled corpus" if spec == "bundled" else os.path.basename(spec.split(",")[0])
+
+
+def record_table(rows: list[tuple[str, str, dict, dict]], a: argparse.Namespace) -> None:
+    """The run as bench/results/accuracy.json: one row per dataset, the baselines beside ours."""
+    names = list(rows[0][3])
+    table = []
+    for label, spec, ours, base in rows:
+        how = (f"{ours['epochs']} epochs, refit on all training data" if ours["refit"]
+               else f"{ours['epochs']} epochs, best {ours['best']}")
+        data = (f"{a.short:,} short reviews (first sentences, <= 30 words, of the {describe(a.data)})"
+                if label.startswith("short") else describe(spec))
+        table.append([data, f"**{ours['accuracy']:.2%}** ({how})", f"{ours['seconds']:.0f} s",
+                      f"{ours['peak_rss_mb'] / 1024:.1f} GB", *(f"{base[n]['accuracy']:.2%}" for n in names)])
+    record("accuracy", ["data", "python -m train (default)", "wall time", "peak RSS", *names], table, settings={
+        "train flags": " ".join(a.train_flags) or "defaults",
+        "baselines": "scikit-learn TF-IDF + logistic regression (C=1, 4; NB-weighted C=16)"})
 
 
 if __name__ == "__main__":

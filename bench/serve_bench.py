@@ -47,6 +47,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from results import record  # bench/results.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 IMDB_TEST = REPO.parent / "shared" / "data" / "imdb" / "test.jsonl.gz"
 BUILT_IN_REVIEW = (
@@ -337,9 +339,10 @@ def run_h2load(url: str, frame: Path, connections: int, seconds: float, headers:
 
 
 def protocol_rows(port: int, name: str, work: Path, script: Path, text: str, seconds: float,
-                  rounds: int = 2) -> list[str]:
+                  rounds: int = 2) -> tuple[list[list[str]], str]:
     """REST :predict, V2 infer, gRPC Predict and gRPC ModelInfer on one server, level by level,
-    each level in `rounds` slices with the protocols' order rotated (the machine's noise is shared)."""
+    each level in `rounds` slices with the protocols' order rotated (the machine's noise is shared):
+    the table's rows (PROTOCOL_COLUMNS) and a line for c=1 with one load generator for both."""
     v2 = work / "v2.json"
     v2.write_text(json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [text]}]}))
     rest = work / "one.json"
@@ -353,25 +356,22 @@ def protocol_rows(port: int, name: str, work: Path, script: Path, text: str, sec
         **{method: functools.partial(run_h2load, f"http://127.0.0.1:{grpc_port}{method}", frame)
            for method, frame in frames.items()},
     }
-    lines = []
+    rows = []
     for c in (1, 32, 256):
         rates: dict[str, list[float]] = {k: [] for k in runs}
-        means: dict[str, str] = {}
         for r in range(rounds):
             order = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
             for key in order:
-                result = runs[key](c, seconds / rounds)
-                rates[key].append(result["rps"])
-                means[key] = result.get("mean", "")
+                rates[key].append(runs[key](c, seconds / rounds)["rps"])
         rate = {k: sum(v) / len(v) for k, v in rates.items()}
-        line = f"c={c:<8} | {rate['rest']:>8,.0f} | {rate['v2']:>8,.0f} ({rate['v2'] / rate['rest']:.2f}x)"
-        for method in frames:
-            line += f" | {rate[method]:>8,.0f} ({rate[method] / rate['rest']:.2f}x, mean {means[method]})"
-        lines.append(line)
-        print(f"  protocols {line}", file=sys.stderr, flush=True)
-    if PREDICT in frames:
-        lines.append(same_tool_c1(port, name, rest, frames[PREDICT], seconds))
-    return lines
+        rows.append([f"c={c}", f"{rate['rest']:,.0f}",
+                     *(f"{rate[k]:,.0f} ({rate[k] / rate['rest']:.2f}x)" for k in ["v2", *frames])])
+        print("  protocols " + " | ".join(rows[-1]), file=sys.stderr, flush=True)
+    same_tool = same_tool_c1(port, name, rest, frames[PREDICT], seconds) if PREDICT in frames else ""
+    return rows, same_tool
+
+
+PROTOCOL_COLUMNS = ["load", "REST :predict", "V2 REST infer", "TF Serving gRPC Predict", "V2 gRPC ModelInfer"]
 
 
 TRANSPORTS = {"own": "the server's own HTTP/2 machine", "h2": "python-hyper's h2 as the machine",
@@ -380,7 +380,7 @@ TRANSPORTS = {"own": "the server's own HTTP/2 machine", "h2": "python-hyper's h2
 
 def transport_rows(ports: dict[str, int], name: str, work: Path, script: Path, text: str, seconds: float,
                    rounds: int, schemes: dict[str, str] | None = None, levels: tuple[int, ...] = (1, 32, 256),
-                   ) -> list[str]:
+                   ) -> list[list[str]]:
     """REST :predict, gRPC Predict and gRPC ModelInfer on one server per variant (gRPC on port + 1;
     `schemes`: https for one on TLS), level by level, every (variant, protocol) pair in each of
     `rounds` slices, in a rotated order. Each gRPC rate is also given as a multiple of the same
@@ -398,7 +398,7 @@ def transport_rows(ports: dict[str, int], name: str, work: Path, script: Path, t
         for method, frame in frames.items():
             runs[transport, method] = functools.partial(run_h2load, f"{scheme}://127.0.0.1:{port + 1}{method}", frame)
     first = next(iter(ports))
-    lines = []
+    rows = []
     for c in levels:
         rates: dict[tuple, list[float]] = {k: [] for k in runs}
         for r in range(rounds):
@@ -409,16 +409,17 @@ def transport_rows(ports: dict[str, int], name: str, work: Path, script: Path, t
         mean = {k: sum(v) / len(v) for k, v in rates.items()}
         for transport in ports:
             r = mean[transport, "rest"]
-            line = f"c={c:<4} {transport:<9} | {r:>8,.0f}"
-            for method in frames:
-                g = mean[transport, method]
-                line += f" | {g:>8,.0f} ({g / r:.2f}x REST)"
-            if transport != first:
-                line += (f" | REST {r / mean[first, 'rest']:.2f}x, Predict "
-                         f"{mean[transport, PREDICT] / mean[first, PREDICT]:.2f}x {first}'s")
-            lines.append(line)
-            print(f"  transports {line}", file=sys.stderr, flush=True)
-    return lines
+            row = [f"c={c}", transport, f"{r:,.0f}", *(f"{mean[transport, m]:,.0f} ({mean[transport, m] / r:.2f}x REST)"
+                                                       for m in frames)]
+            row.append("" if transport == first else f"REST {r / mean[first, 'rest']:.2f}x, Predict "
+                                                     f"{mean[transport, PREDICT] / mean[first, PREDICT]:.2f}x")
+            rows.append(row)
+            print("  transports " + " | ".join(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def transport_columns(first: str) -> list[str]:
+    return ["load", "server", "REST :predict", "gRPC Predict", "V2 gRPC ModelInfer", f"vs {first}"]
 
 
 def compare_grpc_transports(a: argparse.Namespace, serve_cmd: list[str], env: dict, work: Path, script: Path,
@@ -454,7 +455,7 @@ def compare_grpc_transports(a: argparse.Namespace, serve_cmd: list[str], env: di
         for t in transports:  # the same warm-up for every server
             run_wrk(ports[t], f"/v1/models/{name}:predict", work / "one.json", script, 32, 2)
             run_h2load(f"http://127.0.0.1:{ports[t] + 1}{PREDICT}", frames[PREDICT], 32, 2)
-        lines = transport_rows(ports, name, work, script, text, a.duration, max(1, a.rounds))
+        rows = transport_rows(ports, name, work, script, text, a.duration, max(1, a.rounds))
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -465,9 +466,10 @@ def compare_grpc_transports(a: argparse.Namespace, serve_cmd: list[str], env: di
           f"per request; {a.duration:g}s per level, protocol and server in {max(1, a.rounds)} alternating slices.")
     for t in transports:
         print(f"  {t}: {TRANSPORTS[t]}")
-    print(f"\n{'load':<6} {'server':<9} | {'REST':>8} | {'gRPC Predict':<24} | {'V2 gRPC ModelInfer':<24}")
-    for line in lines:
-        print(line)
+    print_table(transport_columns(transports[0]), rows)
+    record("grpc_transports", transport_columns(transports[0]), rows, settings={
+        "transports": "; ".join(f"{t}: {TRANSPORTS[t]}" for t in transports), "baseline": baseline_commit(a),
+        "seconds per level": a.duration, "rounds": max(1, a.rounds), "request": "one review"})
 
 
 def self_signed(work: Path) -> tuple[Path, Path]:
@@ -505,7 +507,7 @@ def compare_tls(a: argparse.Namespace, serve_cmd: list[str], env: dict, work: Pa
         for v in variants:  # the same warm-up for both
             run_wrk(ports[v], f"/v1/models/{name}:predict", work / "one.json", script, 32, 2, scheme=schemes[v])
             run_h2load(f"{schemes[v]}://127.0.0.1:{ports[v] + 1}{PREDICT}", frames[PREDICT], 32, 2)
-        lines = transport_rows(ports, name, work, script, text, a.duration, max(1, a.rounds), schemes, (1, 32))
+        rows = transport_rows(ports, name, work, script, text, a.duration, max(1, a.rounds), schemes, (1, 32))
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -516,9 +518,10 @@ def compare_tls(a: argparse.Namespace, serve_cmd: list[str], env: dict, work: Pa
           f"and h2load keep their connections, so this is TLS's cost per request, not per handshake); one "
           f"review per request; {a.duration:g}s per level, protocol and server in {max(1, a.rounds)} alternating "
           "slices.")
-    print(f"\n{'load':<6} {'server':<9} | {'REST':>8} | {'gRPC Predict':<24} | {'V2 gRPC ModelInfer':<24}")
-    for line in lines:
-        print(line)
+    print_table(transport_columns("plaintext"), rows)
+    record("tls", transport_columns("plaintext"), rows, settings={
+        "certificate": "ECDSA P-256, self-signed", "connections": "kept (TLS's cost per request, not per handshake)",
+        "seconds per level": a.duration, "rounds": max(1, a.rounds), "request": "one review"})
 
 
 def same_tool_c1(port: int, name: str, rest: Path, frame: Path, seconds: float) -> str:
@@ -550,6 +553,27 @@ def print_front_end_targets(serve: dict[str, dict], model_s: dict[int, float]) -
               f"(>= 0.8x): {'met' if ratio >= 0.8 else 'not met'}")
 
 
+def print_table(columns: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(x)) for x in column) for column in zip(columns, *rows)]
+    for row in [columns, *rows]:
+        print(" | ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)))
+
+
+def baseline_commit(a: argparse.Namespace) -> str | None:
+    if not a.baseline:
+        return None
+    from results import commit_of
+
+    return commit_of(Path(a.baseline).resolve())
+
+
+def cell(r: dict, reviews: bool = False) -> str:
+    """One server at one level for the recorded table: rate, p50/p99 ms, errors when there were any."""
+    errors = sum(r["non200"].values()) + sum(r["socket_errors"].values())
+    rate = r["reviews_per_s"] if reviews else r["rps"]
+    return f"{rate:,.0f}, {r['p50_ms']:.1f}/{r['p99_ms']:.1f}" + (f", {errors:,} errors" if errors else "")
+
+
 def fmt(r: dict, reviews: bool = False) -> str:
     errors = ", ".join(f"{k}:{v}" for k, v in {**r["non200"], **r["socket_errors"]}.items()) or "0"
     rate = r["reviews_per_s"] if reviews else r["rps"]
@@ -576,7 +600,6 @@ def main() -> None:
     p.add_argument("--tls", action="store_true",
                    help="measure what TLS costs instead: the server plaintext and with --tls-cert, REST and gRPC, "
                         "c=1 and 32")
-    p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -655,8 +678,8 @@ def main() -> None:
             for s in servers:
                 results[s][key] = merge(slices[s], rows)
                 print(f"  {key:<10} {s:<9} {fmt(results[s][key], rows > 1)}", file=sys.stderr, flush=True)
-        protocols = (protocol_rows(ports["serve"], name, work, script, text, a.duration, max(1, a.rounds))
-                     if "serve" in servers else [])
+        protocols, same_tool = (protocol_rows(ports["serve"], name, work, script, text, a.duration,
+                                              max(1, a.rounds)) if "serve" in servers else ([], ""))
         shares = worker_shares(ports["serve"]) if "serve" in servers else {}
         peaks = {s: peak_rss_mb(proc.pid) for s, proc in procs.items()}
     finally:
@@ -683,10 +706,8 @@ def main() -> None:
         print(line)
     if protocols:
         print("\nserve (defaults), one review per request, the same server for each protocol (rate, x REST's):")
-        print(f"{'load':<10} | {'REST':>8} | {'V2 REST infer':<15} | TF Serving gRPC Predict (h2load) | "
-              "V2 gRPC ModelInfer (h2load)")
-        for line in protocols:
-            print(line)
+        print_table(PROTOCOL_COLUMNS, protocols)
+        print(same_tool)
     print("\npeak resident memory of each server, all its processes: "
           + ", ".join(f"{s} {mb:,.0f} MB" for s, mb in peaks.items()))
     if len(shares) > 1:
@@ -710,11 +731,40 @@ def main() -> None:
             bad = {k: v for k, v in results["serve"]["c=256"]["non200"].items() if k not in ("429", "503")}
             print(f"  c=256: serve errors other than 429/503: {bad or 0}, "
                   f"socket errors: {results['serve']['c=256']['socket_errors'] or 0}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"date": started, "results": results, "model_call_s": rate,
-                                            "model_call_slices_s": model_slices},
-                                           indent=2))
+    record_serving(a, servers, rows_plan, results, peaks, rate, source)
+    if protocols:
+        notes = [same_tool] if same_tool else []
+        record("serving_protocols", PROTOCOL_COLUMNS[:len(protocols[0])], protocols, notes=notes, settings={
+            "server": "python -m serve, defaults", "request": source, "seconds per level": a.duration,
+            "rounds": max(1, a.rounds), "load generators": "wrk (REST), h2load (gRPC, one stream per connection)"})
 
+
+def record_serving(a: argparse.Namespace, servers: list[str], rows_plan: list[tuple[int, int]],
+                   results: dict[str, dict[str, dict]], peaks: dict[str, float], rate: dict[int, float],
+                   source: str) -> None:
+    """The servers' table as bench/results/serving.json: one row per load, a cell per server."""
+    ratio = "naive" in servers and "serve" in servers
+    columns = ["load", *(f"{s}: rate, p50/p99 ms" for s in servers)] + (["serve / naive"] if ratio else [])
+    rows = []
+    for c, per_request in rows_plan:
+        key = f"c={c}" if per_request == 1 else f"c={c} x{per_request}"
+        label = f"c={c}" if per_request == 1 else f"c={c}, {per_request} reviews each (reviews/s)"
+        row = [label, *(cell(results[s][key], per_request > 1) for s in servers)]
+        if ratio:
+            naive = results["naive"][key]["rps"]
+            row.append(f"{results['serve'][key]['rps'] / naive:.2f}x" if naive else "-")
+        rows.append(row)
+    record("serving", columns, rows, notes=[
+        "peak resident memory, all of a server's processes: "
+        + ", ".join(f"{s} {mb:,.0f} MB" for s, mb in peaks.items()),
+        f"the model alone, in process (no HTTP): {rate[1] * 1e3:.2f} ms for one review, "
+        f"{64 / rate[64]:,.0f} reviews/s in batches of 64"], settings={
+        "servers": "; ".join(f"{s}: {SERVERS[s]}" for s in servers), "request": source, "seconds per level": a.duration,
+        "rounds": max(1, a.rounds), "load generator": "wrk -t1, keep-alive", "baseline": baseline_commit(a)})
+
+
+SERVERS = {"serve": "python -m serve, defaults", "serve x1": "python -m serve --workers 1",
+           "naive": "one Flask route under waitress (64 threads)", "baseline": "python -m serve of --baseline"}
 
 if __name__ == "__main__":
     main()

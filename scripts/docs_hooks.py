@@ -79,7 +79,8 @@ def _bench(name: str) -> str:
                           f"<!-- bench: {name} --> (it writes that file)")
     result = json.loads(path.read_text())
     host = result["host"]
-    settings = ", ".join(f"{key} {value}" for key, value in result["settings"].items())
+    settings = ", ".join(f"{key} {value}" for key, value in result["settings"].items()
+                         if value is not None)
     lines = [f"Last run {result['date']} on {host['cpu']} ({host['cores']} cores), commit {result['commit']}: "
              f"`{result['command']}`" + (f"; {settings}." if settings else "."), "",
              "| " + " | ".join(result["columns"]) + " |", "|" + "---|" * len(result["columns"])]
