@@ -47,7 +47,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from results import record  # bench/results.py, beside this script
+from results import commit_of, record  # bench/results.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 IMDB_TEST = REPO.parent / "shared" / "data" / "imdb" / "test.jsonl.gz"
@@ -333,9 +333,7 @@ def run_h2load(url: str, frame: Path, connections: int, seconds: float, headers:
                           "-d", str(frame), url], capture_output=True, text=True, check=True).stdout
     done = re.search(r"finished in ([\d.]+)s, ([\d.]+) req/s", out)
     counts = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed", out)
-    mean = re.search(r"time for request:\s+\S+\s+\S+\s+(\S+)", out)
-    return {"rps": int(counts.group(2)) / float(done.group(1)), "failed": int(counts.group(3)),
-            "mean": mean.group(1) if mean else "?"}
+    return {"rps": int(counts.group(2)) / float(done.group(1)), "failed": int(counts.group(3))}
 
 
 def protocol_rows(port: int, name: str, work: Path, script: Path, text: str, seconds: float,
@@ -560,24 +558,26 @@ def print_table(columns: list[str], rows: list[list[str]]) -> None:
 
 
 def baseline_commit(a: argparse.Namespace) -> str | None:
-    if not a.baseline:
-        return None
-    from results import commit_of
+    return commit_of(Path(a.baseline).resolve()) if a.baseline else None
 
-    return commit_of(Path(a.baseline).resolve())
+
+def rate_and_errors(r: dict, reviews: bool = False) -> tuple[float, dict[str, int]]:
+    """What both tables show of one server at one level: its rate and each kind of error counted."""
+    return (r["reviews_per_s"] if reviews else r["rps"]), {**r["non200"], **r["socket_errors"]}
 
 
 def cell(r: dict, reviews: bool = False) -> str:
     """One server at one level for the recorded table: rate, p50/p99 ms, errors when there were any."""
-    errors = sum(r["non200"].values()) + sum(r["socket_errors"].values())
-    rate = r["reviews_per_s"] if reviews else r["rps"]
-    return f"{rate:,.0f}, {r['p50_ms']:.1f}/{r['p99_ms']:.1f}" + (f", {errors:,} errors" if errors else "")
+    rate, errors = rate_and_errors(r, reviews)
+    total = sum(errors.values())
+    return f"{rate:,.0f}, {r['p50_ms']:.1f}/{r['p99_ms']:.1f}" + (f", {total:,} errors" if total else "")
 
 
 def fmt(r: dict, reviews: bool = False) -> str:
-    errors = ", ".join(f"{k}:{v}" for k, v in {**r["non200"], **r["socket_errors"]}.items()) or "0"
-    rate = r["reviews_per_s"] if reviews else r["rps"]
-    return f"{rate:>8,.0f} {r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f}  {errors:<14}"
+    """The same for the printed table, each kind of error by name."""
+    rate, errors = rate_and_errors(r, reviews)
+    named = ", ".join(f"{k}:{v}" for k, v in errors.items()) or "0"
+    return f"{rate:>8,.0f} {r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f}  {named:<14}"
 
 
 def main() -> None:
