@@ -171,16 +171,22 @@ def describe(spec: str) -> str:
     return "bundled corpus" if spec == "bundled" else os.path.basename(spec.split(",")[0])
 
 
+def refit_description(epochs: str) -> str:
+    """'6 + 4' (the selection run's epochs, then the refit's) as a reader of the table says it."""
+    selection, refit = epochs.split(" + ")
+    return f"validation chose {refit} of {selection} epochs; refit on all training data"
+
+
 def record_table(rows: list[tuple[str, str, dict, dict]], a: argparse.Namespace) -> None:
     """The run as bench/results/accuracy.json: one row per dataset, the baselines beside ours."""
     names = list(rows[0][3])
     table = []
     for label, spec, ours, base in rows:
-        how = (f"{ours['epochs']} epochs, refit on all training data" if ours["refit"]
+        how = (refit_description(ours["epochs"]) if ours["refit"]
                else f"{ours['epochs']} epochs, best {ours['best']}")
-        data = (f"{a.short:,} short reviews (first sentences, <= 30 words, of the {describe(a.data)})"
+        data = (f"{a.short:,} short reviews (first sentences of <= 30 words, {describe(a.data)})"
                 if label.startswith("short") else describe(spec))
-        table.append([data, f"**{ours['accuracy']:.2%}** ({how})", f"{ours['seconds']:.0f} s",
+        table.append([data, f"{ours['accuracy']:.2%} ({how})", f"{ours['seconds']:.0f} s",
                       f"{ours['peak_rss_mb'] / 1024:.1f} GB", *(f"{base[n]['accuracy']:.2%}" for n in names)])
     record("accuracy", ["data", "python -m train (default)", "wall time", "peak RSS", *names], table, settings={
         "train flags": " ".join(a.train_flags) or "defaults",
