@@ -3,6 +3,7 @@ runs exported with `export.export_model`."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -129,7 +130,14 @@ def vectorize(vectorizer, texts, batch: int = 1024):  # noqa: ANN001, ANN201 - a
 # -- the container tier ---------------------------------------------------------------------------
 
 FIGURES = pytest.StashKey[list]()
-"""Figures a test measured (image size, start-to-ready time...), printed at the end of the run."""
+"""Figures a test measured, as (what, figure) pairs (image size, start-to-ready time...), printed at
+the end of the run, and written as JSON to the file $SENTIMENT_FIGURES names (bench/container_bench.py
+turns them into the benchmark page's table)."""
+
+
+def figure(config: pytest.Config, what: str, value: str) -> None:
+    """Keep one measured figure for the end of the run (see FIGURES)."""
+    config.stash.setdefault(FIGURES, []).append((what, value))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -146,5 +154,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  #
     figures = config.stash.get(FIGURES, [])
     if figures:
         terminalreporter.section("measured")
-        for line in figures:
-            terminalreporter.write_line(line)
+        for what, value in figures:
+            terminalreporter.write_line(f"{what}: {value}")
+    if os.environ.get("SENTIMENT_FIGURES"):
+        Path(os.environ["SENTIMENT_FIGURES"]).write_text(json.dumps(figures))

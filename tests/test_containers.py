@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import requests
 import yaml
-from conftest import FIGURES
+from conftest import figure
 from serve_process import poll_ready
 from test_multiclient import SMALL, assert_same_curve, metrics, train_flags
 
@@ -53,10 +53,6 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.C
     if check and proc.returncode != 0:
         pytest.fail(f"podman {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc
-
-
-def figure(config: pytest.Config, line: str) -> None:
-    config.stash.setdefault(FIGURES, []).append(line)
 
 
 class Made:
@@ -104,7 +100,8 @@ def image(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     if proc.returncode != 0:
         pytest.fail(f"scripts/image --local-base failed:\n{log.read_text()[-4000:]}")
     size = int(podman("image", "inspect", IMAGE, "--format", "{{.Size}}").stdout)
-    figure(request.config, f"image {IMAGE}: {size / 1e6:,.0f} MB, built in {time.monotonic() - start:.0f} s")
+    figure(request.config, "image size; scripts/image --local-base",
+           f"{size / 1e6:,.0f} MB; built in {time.monotonic() - start:.0f} s (with what the image store held)")
     return IMAGE
 
 
@@ -160,8 +157,8 @@ def trained(request: pytest.FixtureRequest, image: str, made: Made, tmp_path_fac
         logs = [podman("logs", name) for name in names]
         pytest.fail("\n".join(f"--- {name} exited {code}\n{(log.stdout + log.stderr)[-3000:]}"
                               for name, code, log in zip(names, codes, logs)))
-    figure(request.config, f"training the test config for 2 epochs: 2 containers x 4 devices {containers_s:.0f} s, "
-                           f"1 process x 8 devices on the host {host_s:.0f} s (from start to exit, one after the other)")
+    figure(request.config, "training the test config for 2 epochs, start to exit",
+           f"2 containers x 4 devices {containers_s:.0f} s; 1 process x 8 devices on the host {host_s:.0f} s")
     return {"runs": runs, "single": root / "single", "multi": runs / "multi", "root": root}
 
 
@@ -283,7 +280,7 @@ def test_the_serving_manifest_runs_under_kube_play(request: pytest.FixtureReques
     podman("kube", "play", str(kube_file), timeout=300)
     url, verify, auth = f"https://localhost:{rest_port}", str(pki.ca), {"Authorization": f"Bearer {token}"}
     wait_ready(url, verify=verify)
-    figure(request.config, f"serving.yaml under podman kube play: /readyz 200 {time.monotonic() - start:.1f} s after play")
+    figure(request.config, "podman kube play serving.yaml to /readyz 200", f"{time.monotonic() - start:.1f} s")
     container = f"{deployment['metadata']['name']}-pod-0-{deployment['spec']['template']['spec']['containers'][0]['name']}"
 
     # The liveness probe (httpGet /healthz) became a health check that podman runs inside the container.
@@ -336,7 +333,7 @@ def test_podman_stop_under_load_drains_and_exits_0(request: pytest.FixtureReques
            f"--drain-delay={drain_delay}", f"--drain-timeout={drain_timeout}")
     url = f"http://127.0.0.1:{port}"
     wait_ready(url)
-    figure(request.config, f"podman run to /readyz 200: {time.monotonic() - start:.1f} s")
+    figure(request.config, "podman run to /readyz 200", f"{time.monotonic() - start:.1f} s")
     stop, outcomes = threading.Event(), []
     threads = [threading.Thread(target=keep_asking, args=(url, stop, outcomes)) for _ in range(4)]
     for thread in threads:
@@ -359,5 +356,5 @@ def test_podman_stop_under_load_drains_and_exits_0(request: pytest.FixtureReques
     assert "timeout" not in [status for _, status in outcomes]
     assert during_drain, "nothing was answered between SIGTERM and the ports closing"
     assert "shut down cleanly" in logs
-    figure(request.config, f"podman stop under 4 keep-alive clients: exit 0 after {stop_s:.1f} s "
-                           f"(--drain-delay {drain_delay}), {len(answered)} answers all 200")
+    figure(request.config, "podman stop under 4 keep-alive clients",
+           f"exit 0 after {stop_s:.1f} s (--drain-delay {drain_delay}), {len(answered):,} answers, all 200")

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 import requests
-from conftest import FIGURES, MODEL_NAME, TINY_TRAIN, copy_model_base
+from conftest import MODEL_NAME, TINY_TRAIN, copy_model_base, figure
 from serve_process import REPO, ServerProcess
 
 from client import ClientError, Explanation, InvalidInput, SentimentClient
@@ -90,10 +90,9 @@ def test_deleting_the_top_ngram_costs_the_answer_more_than_deleting_another(bigr
         comparisons += len(ngrams) - 1
         firsts += int(np.argmax(drops) == 0)
     share = wins / comparisons
-    request.config.stash.setdefault(FIGURES, []).append(
-        f"explain occlusion (bundled bigram model, {len(reviews)} reviews): the top n-gram's deletion costs more "
-        f"than another's in {wins}/{comparisons} comparisons ({share:.1%}); it is the costliest of all in "
-        f"{firsts}/{len(reviews)} reviews")
+    figure(request.config, f"explain occlusion (bundled bigram model, {len(reviews)} reviews)",
+           f"the top n-gram's deletion costs more than another's in {wins}/{comparisons} comparisons "
+           f"({share:.1%}); it is the costliest of all in {firsts}/{len(reviews)} reviews")
     assert share >= 0.9, f"{wins} of {comparisons}"
 
 
