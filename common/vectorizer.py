@@ -101,6 +101,13 @@ def ngram_keys(texts: tf.Tensor, ngrams: int) -> tuple[tf.Tensor, tf.Tensor]:
     """(key, row) of every 1..n-gram of the texts, flat: unigrams of all rows first, then bigrams,
     ... (an n-gram belongs to its first word's row). A window that would span two texts gets the
     key `_NO_KEY`, which no n-gram has. No n-gram string is built: each word is hashed once."""
+    keys, rows, _ = _ngram_keys_and_words(texts, ngrams)
+    return keys, rows
+
+
+def _ngram_keys_and_words(texts: tf.Tensor, ngrams: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """`ngram_keys` and the texts' words, flat: the k-th key of the n-grams of width w (w = 1 ..
+    `ngrams`, in that order) is the key of words k .. k + w - 1."""
     split = tf.raw_ops.StringSplitV2(input=standardize(texts), sep="")  # "": on whitespace
     rows = split.indices[:, 0]
     hashes = tf.strings.to_hash_bucket_fast(split.values, _HASH_BUCKETS)
@@ -110,7 +117,7 @@ def ngram_keys(texts: tf.Tensor, ngrams: int) -> tuple[tf.Tensor, tf.Tensor]:
         level = tf.where(same_row, ngram_key(level[:-1], hashes[n:]), tf.constant(_NO_KEY, tf.int64))
         keys.append(level)
         key_rows.append(rows[:-n])
-    return tf.concat(keys, axis=0), tf.concat(key_rows, axis=0)
+    return tf.concat(keys, axis=0), tf.concat(key_rows, axis=0), split.values
 
 
 class TfIdf(tf.Module):
@@ -243,53 +250,89 @@ def _chunk_keys(texts: Sequence[str], ngrams: int) -> tuple[np.ndarray, np.ndarr
 
 
 class _NgramCounts:
-    """Per n-gram key: occurrences, texts holding it, positive texts holding it; merged in numpy."""
+    """Per n-gram key: occurrences, texts holding it, positive texts holding it; merged in numpy.
+
+    Each chunk's counts are kept sorted by key, so merging them is a stable sort of sorted runs
+    (timsort merges runs in linear passes) and sums over equal neighbours, never a hash table of
+    Python objects."""
 
     MERGE_AT = 4_000_000
 
     def __init__(self) -> None:
         self._parts: list[tuple[np.ndarray, ...]] = []
         self._pending = 0
+        """Keys in the parts added since the last merge (duplicates between them counted)."""
+        self._merged = 0
+        """Keys in the merged part."""
 
     def add(self, keys: np.ndarray, rows: np.ndarray, positive_texts: np.ndarray) -> None:
-        unique, inverse = np.unique(keys, return_inverse=True)
-        order = np.lexsort((keys, rows))  # (text, key) pairs sorted: the first of each is a text holding it
-        first = np.ones(len(order), bool)
-        first[1:] = (rows[order][1:] != rows[order][:-1]) | (keys[order][1:] != keys[order][:-1])
-        held, held_rows = inverse[order][first], rows[order][first]
+        order = np.argsort(keys, kind="stable")
+        unique, first = _distinct(keys[order])
+        group = np.cumsum(first) - 1
         size = len(unique)
-        self._parts.append((unique, np.bincount(inverse, minlength=size), np.bincount(held, minlength=size),
+        # The distinct (n-gram, text) pairs: each is one text holding the n-gram.
+        texts = len(positive_texts)
+        pairs = np.sort(group * texts + rows[order], kind="stable")  # runs of rows: timsort's case
+        pairs = pairs[_distinct(pairs)[1]]
+        held, held_rows = pairs // texts, pairs % texts
+        self._parts.append((unique, np.bincount(group, minlength=size), np.bincount(held, minlength=size),
                             np.bincount(held[positive_texts[held_rows]], minlength=size)))
         self._pending += size
-        if self._pending > self.MERGE_AT:
+        if self._pending > max(self.MERGE_AT, self._merged // 2):  # geometric: each key merged O(log) times
             self._parts = [self.totals()]
-            self._pending = len(self._parts[0][0])
+            self._merged, self._pending = len(self._parts[0][0]), 0
 
     def totals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, occurrences, texts, positive texts), summed over the parts, which it consumes:
+        one column is concatenated at a time, and freed before the next."""
         if not self._parts:
             return tuple(np.zeros(0, np.int64) for _ in range(4))  # type: ignore[return-value]
-        columns = [np.concatenate(c) for c in zip(*self._parts)]
-        unique, inverse = np.unique(columns[0], return_inverse=True)
-        summed = [np.bincount(inverse, weights=c, minlength=len(unique)).astype(np.int64) for c in columns[1:]]
-        return unique, *summed
+        parts, self._parts = [list(part) for part in self._parts], []
+
+        def column(i: int) -> np.ndarray:
+            values = np.concatenate([part[i] for part in parts])
+            for part in parts:
+                part[i] = None
+            return values
+
+        keys = column(0)
+        order = np.argsort(keys, kind="stable")
+        unique, first = _distinct(keys[order])
+        del keys
+        starts = np.flatnonzero(first)
+        return unique, *(np.add.reduceat(column(i)[order], starts) for i in (1, 2, 3))
+
+
+def _distinct(sorted_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct keys of a sorted array, where each first occurs as a mask)."""
+    first = np.r_[True, sorted_keys[1:] != sorted_keys[:-1]] if len(sorted_keys) else np.zeros(0, bool)
+    return sorted_keys[first], first
 
 
 def _strings_of(keys: np.ndarray, texts: Sequence[str], ngrams: int, chunk: int,
                 progress: Callable[[int], None] | None) -> list[bytes]:
-    """The n-gram string of each key (keys sorted, as `np.unique` leaves them), from a second pass."""
-    found: dict[int, bytes] = {}
+    """The n-gram string of each key (keys sorted, as `np.unique` leaves them), from a second pass
+    that computes the same keys as the first and joins the words of a key's first occurrence only:
+    an n-gram string is built once per kept n-gram, not once per occurrence."""
+    strings: list[bytes | None] = [None] * len(keys)
+    missing = np.ones(len(keys), bool)
     for start in range(0, len(texts), chunk):
-        if len(found) < len(keys):
-            batch = tokens(tf.constant(list(texts[start : start + chunk])), ngrams).flat_values
-            chunk_keys = ngram_string_keys(batch).numpy()
-            wanted = np.flatnonzero(np.isin(chunk_keys, keys))
-            if len(wanted):
-                strings = batch.numpy()
-                for i in wanted.tolist():
-                    found.setdefault(int(chunk_keys[i]), strings[i])
+        if missing.any():
+            chunk_keys, _, words = (t.numpy() for t in _ngram_keys_and_words(
+                tf.constant(list(texts[start : start + chunk])), ngrams))
+            where = np.minimum(np.searchsorted(keys, chunk_keys), len(keys) - 1)
+            hits = np.flatnonzero((keys[where] == chunk_keys) & missing[where])
+            wanted, first = np.unique(where[hits], return_index=True)  # each new key's first occurrence
+            at = hits[first]
+            # Keys of width w start at offset sum(len(words) - v for v < w) of the flat array.
+            offsets = np.cumsum([0] + [len(words) - w for w in range(ngrams)])
+            widths = np.searchsorted(offsets, at, side="right")
+            for i, word, width in zip(wanted.tolist(), (at - offsets[widths - 1]).tolist(), widths.tolist()):
+                strings[i] = b" ".join(words[word : word + width].tolist())
+            missing[wanted] = False
         if progress is not None:
             progress(min(chunk, len(texts) - start))
-    return [found[k] for k in keys.tolist()]
+    return strings  # type: ignore[return-value] - every key came from these texts
 
 
 def nb_weights(positive_docs: np.ndarray, negative_docs: np.ndarray, alpha: float = 1.0) -> np.ndarray:

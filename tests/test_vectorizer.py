@@ -83,15 +83,15 @@ def test_a_huge_max_tokens_on_a_small_corpus_is_as_wide_as_its_vocabulary_and_st
 
     texts = load_data(limit=600).train.texts
     seen: list[int] = []
-    real_tokens = vec.tokens
+    real = vec._ngram_keys_and_words
 
     def spy(batch, ngrams):  # noqa: ANN001
         seen.append(int(batch.shape[0]))
-        return real_tokens(batch, ngrams)
+        return real(batch, ngrams)
 
-    monkeypatch.setattr(vec, "tokens", spy)  # the second pass, collecting the kept n-grams
+    monkeypatch.setattr(vec, "_ngram_keys_and_words", spy)  # both passes split the texts through it
     v = build_vocabulary(texts, 5_000_000, VectorizerSettings(ngrams=3, min_df=1), chunk=128)
-    assert max(seen) <= 128 and sum(seen) <= len(texts)
+    assert max(seen) <= 128 and sum(seen) <= vec.VOCABULARY_PASSES * len(texts)
     assert len(v.vocabulary) < 100_000 and v.width == -(-len(v.vocabulary) // 8) * 8
 
 
@@ -120,6 +120,23 @@ def test_counting_by_key_keeps_what_counting_strings_keeps():
     np.testing.assert_allclose(v.idf_values, [math.log((1 + n) / (1 + docs[t])) + 1 for t in chosen], rtol=1e-6)
     pos = np.array([positive[t] for t in chosen], float)
     np.testing.assert_allclose(v.nb, vec.nb_weights(pos, np.array([docs[t] for t in chosen], float) - pos), rtol=1e-6)
+
+
+def test_merging_the_counts_often_counts_what_merging_once_counts(monkeypatch):
+    """The chunks' counts are merged whenever enough have piled up: merged after every few chunks
+    (and with empty texts among them) the vocabulary, idf and naive-Bayes weights are the same."""
+    from train.data import load_data
+
+    data = load_data(limit=600)
+    texts, labels = list(data.train.texts), data.train.labels.tolist()
+    texts[50:60] = [""] * 10
+    settings = VectorizerSettings(ngrams=3, min_df=2, nb_weighting=True)
+    once = build_vocabulary(texts, 3000, settings, labels=labels, chunk=50)
+    monkeypatch.setattr(vec._NgramCounts, "MERGE_AT", 5_000)
+    often = build_vocabulary(texts, 3000, settings, labels=labels, chunk=50)
+    assert often.vocabulary == once.vocabulary
+    np.testing.assert_array_equal(often.idf_values, once.idf_values)
+    np.testing.assert_array_equal(often.nb, once.nb)
 
 
 @pytest.mark.parametrize("ngrams", [1, 2, 3])
