@@ -25,13 +25,16 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import tensorflow as tf
 
 from common.model_config import VectorizerSettings
 from common.run_dir import atomic_write_text
+
+T = TypeVar("T")
 
 VOCABULARY_FILE = "vocabulary.json"
 FORMAT = 2
@@ -218,8 +221,9 @@ def build_vocabulary(
         raise ValueError("naive-Bayes weighting needs one label per training text")
     positive_texts = np.asarray(labels if settings.nb_weighting else np.zeros(len(texts)), bool)
     counts = _NgramCounts()
-    for start in range(0, len(texts), chunk):
-        keys, rows = _chunk_keys(texts[start : start + chunk], settings.ngrams)
+    starts = range(0, len(texts), chunk)
+    for start, (keys, rows) in zip(starts, _one_ahead(lambda at: _chunk_keys(texts[at : at + chunk], settings.ngrams),
+                                                      starts)):
         counts.add(keys, rows, positive_texts[start : start + chunk])
         if progress is not None:
             progress(min(chunk, len(texts) - start))
@@ -240,6 +244,17 @@ def build_vocabulary(
         pos = positive[order].astype(np.float64)
         nb = nb_weights(pos, docs[order].astype(np.float64) - pos)
     return TfIdf([t.decode("utf-8") for t in chosen], idf, settings, round_width(len(chosen), multiple), nb)
+
+
+def _one_ahead(compute: Callable[[int], T], items: Sequence[int]) -> Iterator[T]:
+    """`compute(item)` for each item, the next one computed on a thread while the caller works on
+    this one: TensorFlow's text ops and numpy's sorts both release the GIL, so the two overlap."""
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(compute, items[0]) if len(items) else None
+        for k in range(len(items)):
+            result = pending.result()
+            pending = pool.submit(compute, items[k + 1]) if k + 1 < len(items) else None
+            yield result
 
 
 def _chunk_keys(texts: Sequence[str], ngrams: int) -> tuple[np.ndarray, np.ndarray]:
@@ -316,12 +331,14 @@ def _strings_of(keys: np.ndarray, texts: Sequence[str], ngrams: int, chunk: int,
     an n-gram string is built once per kept n-gram, not once per occurrence."""
     strings: list[bytes | None] = [None] * len(keys)
     missing = np.ones(len(keys), bool)
+    index = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
+        tf.constant(keys, tf.int64), tf.range(len(keys), dtype=tf.int64)), default_value=-1) if len(keys) else None
     for start in range(0, len(texts), chunk):
         if missing.any():
-            chunk_keys, _, words = (t.numpy() for t in _ngram_keys_and_words(
-                tf.constant(list(texts[start : start + chunk])), ngrams))
-            where = np.minimum(np.searchsorted(keys, chunk_keys), len(keys) - 1)
-            hits = np.flatnonzero((keys[where] == chunk_keys) & missing[where])
+            chunk_keys, _, words = _ngram_keys_and_words(tf.constant(list(texts[start : start + chunk])), ngrams)
+            where, words = index.lookup(chunk_keys).numpy(), words.numpy()
+            hits = np.flatnonzero(where >= 0)
+            hits = hits[missing[where[hits]]]
             wanted, first = np.unique(where[hits], return_index=True)  # each new key's first occurrence
             at = hits[first]
             # Keys of width w start at offset sum(len(words) - v for v < w) of the flat array.
