@@ -68,8 +68,9 @@ def _lower(texts: tf.Tensor) -> tf.Tensor:
 
 
 def tokens(texts: tf.Tensor, ngrams: int) -> tf.RaggedTensor:
-    """Every 1..n-gram of each text, n-grams joined by single spaces: [batch, (tokens)]. The
-    vocabulary is counted from these strings; `TfIdf.sparse` computes their keys instead."""
+    """Every 1..n-gram of each text, n-grams joined by single spaces: [batch, (tokens)]: the strings
+    a vocabulary holds. `build_vocabulary` and `TfIdf.sparse` compute their keys instead, without
+    building them (the tests check that both find the same n-grams)."""
     words = tf.strings.split(standardize(texts))
     if ngrams == 1:
         return words
@@ -319,7 +320,7 @@ class _NgramCounts:
 
 
 def _distinct(sorted_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct keys of a sorted array, where each first occurs as a mask)."""
+    """(the distinct values of a sorted array, a mask of where each first occurs)."""
     first = np.r_[True, sorted_keys[1:] != sorted_keys[:-1]] if len(sorted_keys) else np.zeros(0, bool)
     return sorted_keys[first], first
 
