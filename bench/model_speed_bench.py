@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results import commit_of, record
+from results import commit_of, print_table, record
 
 REPO = Path(__file__).resolve().parents[1]
 IMDB_TEST = REPO.parent / "shared" / "data" / "imdb" / "test.jsonl.gz"
@@ -113,9 +113,7 @@ def main() -> None:
     columns = ["batch", "this (reviews/s)", "baseline", "ratio", "explain (reviews/s)", "explain / predict cost"]
     print(f"\nModel speed, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPU cores, {source}, "
           f"run {run_dir.name}; median of {a.rounds} alternating rounds of {a.seconds:g}s each:")
-    print(" | ".join(columns))
-    for row in rows:
-        print(" | ".join(str(cell) for cell in row))
+    print_table(columns, rows)
     diff = float(np.max(np.abs(answers["this"] - answers["baseline"])))
     same_labels = float(np.mean(answers["this"].argmax(1) == answers["baseline"].argmax(1)))
     agreement = (f"answers on the {len(texts)} reviews: largest probability difference {diff:.3g}, "

@@ -57,3 +57,10 @@ def record(name: str, columns: list[str], rows: list[list[Any]], settings: dict[
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results written to {os.path.relpath(path)}", file=sys.stderr)
     return path
+
+
+def print_table(columns: list[str], rows: list[list[Any]]) -> None:
+    """A table as `record` keeps it, for the terminal: columns padded to their widest cell."""
+    widths = [max(len(str(x)) for x in column) for column in zip(columns, *rows)]
+    for row in [columns, *rows]:
+        print(" | ".join(f"{str(cell):<{w}}" for cell, w in zip(row, widths)))

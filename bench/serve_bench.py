@@ -47,7 +47,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from results import commit_of, record  # bench/results.py, beside this script
+from results import commit_of, print_table, record  # bench/results.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 IMDB_TEST = REPO.parent / "shared" / "data" / "imdb" / "test.jsonl.gz"
@@ -549,12 +549,6 @@ def print_front_end_targets(serve: dict[str, dict], model_s: dict[int, float]) -
         ratio = serve["c=256"]["rps"] / (64 / model_s[64])
         print(f"  c=256: {serve['c=256']['rps']:,.0f} reviews/s, {ratio:.2f}x the model's own rate at batch 64 "
               f"(>= 0.8x): {'met' if ratio >= 0.8 else 'not met'}")
-
-
-def print_table(columns: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(str(x)) for x in column) for column in zip(columns, *rows)]
-    for row in [columns, *rows]:
-        print(" | ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)))
 
 
 def baseline_commit(a: argparse.Namespace) -> str | None:

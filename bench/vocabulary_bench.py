@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from results import REPO, commit_of, record  # bench/results.py, beside this script
+from results import REPO, commit_of, print_table, record  # bench/results.py, beside this script
 
 IMDB = REPO.parent / "shared" / "data" / "imdb" / "train.jsonl.gz"
 
@@ -86,8 +86,7 @@ def main() -> None:
              f"{added[name]:,.0f} MB", f"{runs[name][0]['ngrams']:,}"] for name, path in checkouts.items()]
     note = ("both chose the same vocabulary (n-grams, idf and naive-Bayes weights)" if same
             else "the two checkouts chose different vocabularies")
-    for row in [columns, *rows]:
-        print(" | ".join(row))
+    print_table(columns, rows)
     print(note)
     record("vocabulary", columns, rows, notes=[note], settings={
         "reviews": f"{reviews:,} {source}", "rounds": a.rounds, "vectorizer": "python -m train's defaults"})
