@@ -555,6 +555,18 @@ def baseline_commit(a: argparse.Namespace) -> str | None:
     return commit_of(Path(a.baseline).resolve()) if a.baseline else None
 
 
+def level_key(connections: int, reviews_per_request: int) -> str:
+    """The results' key of one load level."""
+    return f"c={connections}" if reviews_per_request == 1 else f"c={connections} x{reviews_per_request}"
+
+
+def serve_vs_naive(results: dict[str, dict[str, dict]], key: str) -> float | None:
+    """serve's request rate as a multiple of naive's at one level; None without both (or naive's 0)."""
+    if "serve" not in results or "naive" not in results or not results["naive"][key]["rps"]:
+        return None
+    return results["serve"][key]["rps"] / results["naive"][key]["rps"]
+
+
 def rate_and_errors(r: dict, reviews: bool = False) -> tuple[float, dict[str, int]]:
     """What both tables show of one server at one level: its rate and each kind of error counted."""
     return (r["reviews_per_s"] if reviews else r["rps"]), {**r["non200"], **r["socket_errors"]}
@@ -668,7 +680,7 @@ def main() -> None:
                 for s in servers[shift:] + servers[:shift]:
                     slices[s].append(run_wrk(ports[s], path, bodies[rows], script, c, a.duration / max(1, a.rounds)))
                 model_slices.append(model_call_rate(signature, text))
-            key = f"c={c}" if rows == 1 else f"c={c} x{rows}"
+            key = level_key(c, rows)
             for s in servers:
                 results[s][key] = merge(slices[s], rows)
                 print(f"  {key:<10} {s:<9} {fmt(results[s][key], rows > 1)}", file=sys.stderr, flush=True)
@@ -693,10 +705,10 @@ def main() -> None:
     header = f"{'load':<10} |" + "|".join(f" {s + ' rate':>14} {'p50':>7} {'p99':>7}  {'errors':<14}" for s in servers)
     print(header + ("| serve vs naive" if "naive" in servers and "serve" in servers else ""))
     for c, rows in rows_plan:
-        key = f"c={c}" if rows == 1 else f"c={c} x{rows}"
+        key = level_key(c, rows)
         line = f"{key:<10} |" + "|".join(f" {fmt(results[s][key], rows > 1):>}" for s in servers)
-        if "naive" in servers and "serve" in servers and results["naive"][key]["rps"]:
-            line += f"| {results['serve'][key]['rps'] / results['naive'][key]['rps']:.2f}x"
+        if times := serve_vs_naive(results, key):
+            line += f"| {times:.2f}x"
         print(line)
     if protocols:
         print("\nserve (defaults), one review per request, the same server for each protocol (rate, x REST's):")
@@ -741,12 +753,12 @@ def record_serving(a: argparse.Namespace, servers: list[str], rows_plan: list[tu
     columns = ["load", *(f"{s}: rate, p50/p99 ms" for s in servers)] + (["serve / naive"] if ratio else [])
     rows = []
     for c, per_request in rows_plan:
-        key = f"c={c}" if per_request == 1 else f"c={c} x{per_request}"
+        key = level_key(c, per_request)
         label = f"c={c}" if per_request == 1 else f"c={c}, {per_request} reviews each (reviews/s)"
         row = [label, *(cell(results[s][key], per_request > 1) for s in servers)]
         if ratio:
-            naive = results["naive"][key]["rps"]
-            row.append(f"{results['serve'][key]['rps'] / naive:.2f}x" if naive else "-")
+            times = serve_vs_naive(results, key)
+            row.append(f"{times:.2f}x" if times else "-")
         rows.append(row)
     record("serving", columns, rows, notes=[
         "peak resident memory, all of a server's processes: "
