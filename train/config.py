@@ -121,9 +121,8 @@ class TrainConfig:
             raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
         check_cluster(self.num_clients, self.client_id, parse_jobs(self.jobs) if self.jobs else None)
         # the model's and the vectorizer's settings are checked where they are defined
-        ModelConfig(max_tokens=8, hidden=self.hidden, bn_momentum=self.bn_momentum)
-        VectorizerSettings(ngrams=self.ngrams, sublinear_tf=self.sublinear_tf, normalize=self.normalize,
-                           min_df=self.min_df, nb_weighting=self.nb_weighting)
+        self.model_config(8)
+        self.vectorizer_settings()
 
     def _strategy(self) -> str | None:
         """--strategy, else feature for one process (None) and data, which gives each client whole
@@ -153,3 +152,8 @@ class TrainConfig:
     def model_config(self, width: int) -> ModelConfig:
         """The model for a vocabulary `width` n-grams wide."""
         return ModelConfig(max_tokens=width, hidden=self.hidden, bn_momentum=self.bn_momentum)
+
+    def vectorizer_settings(self) -> VectorizerSettings:
+        """How texts become features, as the vocabulary and the export keep it."""
+        return VectorizerSettings(ngrams=self.ngrams, sublinear_tf=self.sublinear_tf, normalize=self.normalize,
+                                  min_df=self.min_df, nb_weighting=self.nb_weighting)

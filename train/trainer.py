@@ -57,7 +57,6 @@ from common.vectorizer import (
     VOCABULARY_FILE,
     VOCABULARY_PASSES,
     TfIdf,
-    VectorizerSettings,
     build_vocabulary,
     load_vectorizer,
     save_vectorizer,
@@ -199,8 +198,7 @@ def _check_latest_checkpoint(run_dir: Path) -> None:
 
 def _prepare_vocabulary(config: TrainConfig, run_dir: Path, train: Split, resuming: bool, mesh: dtensor.Mesh,
                         chief: bool) -> tuple[TfIdf, ModelConfig]:
-    settings = VectorizerSettings(ngrams=config.ngrams, sublinear_tf=config.sublinear_tf,
-                                  normalize=config.normalize, min_df=config.min_df, nb_weighting=config.nb_weighting)
+    settings = config.vectorizer_settings()
     if resuming:
         vectorizer = load_vectorizer(run_dir)
         saved = ModelConfig.load(run_dir / MODEL_FILE)
