@@ -91,7 +91,7 @@ class Batches:
         ds = tf.data.Dataset.from_tensor_slices((tf.constant(texts, tf.string), tf.constant(labels, tf.int64)))
         ds = ds.batch(global_batch, drop_remainder=True).map(
             lambda t, y: self._cut(self.vectorizer.dense(t[lo:hi]), y[lo:hi], rows),
-            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
+            num_parallel_calls=1, deterministic=True).prefetch(1)
         for x, y in ds:
             yield dtensor.pack(list(x), self.layouts.inputs), dtensor.pack(list(y), self.layouts.labels)
 
