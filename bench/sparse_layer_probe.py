@@ -1,6 +1,6 @@
 """Probe: the first layer's products as dense or sparse DTensor programs, per mesh (issue 39).
 
-    python bench/sparse_layer_probe.py [--batch 256] [--nonzeros 330] [--meshes feature=2,batch=8] [--seconds 4]
+    python bench/sparse_layer_probe.py [--batch 256] [--nonzeros 330] [--meshes feature=2 batch=8 ...] [--seconds 4]
 
 A training step pays for the first layer twice over the whole vocabulary: the forward product
 X·K and the kernel's gradient Xᵀ·dY, both dense [batch, width] products although a review has a
@@ -19,7 +19,6 @@ that DTensor refuses is printed with DTensor's reason.
 from __future__ import annotations
 
 import argparse
-import math
 import subprocess
 import sys
 import time
@@ -41,10 +40,10 @@ def refused(exc: Exception) -> str:
 
 def worker(mesh_spec: str, batch: int, nonzeros: int, mode: str, seconds: float) -> str:
     from common.mesh import ModelLayouts, build_mesh, configure_devices, dim_size
-    from common.mesh_spec import BATCH, FEATURE, parse_mesh
+    from common.mesh_spec import BATCH, FEATURE, mesh_size, parse_mesh
 
     dims = parse_mesh(mesh_spec)
-    configure_devices(math.prod(size for _, size in dims), "CPU")
+    configure_devices(mesh_size(dims), "CPU")
     import numpy as np
     import tensorflow as tf
     from tensorflow.experimental import dtensor
@@ -126,12 +125,19 @@ def worker(mesh_spec: str, batch: int, nonzeros: int, mode: str, seconds: float)
     return f"{(time.perf_counter() - started) / calls * 1000:.1f} ms{error}"
 
 
+def default_meshes() -> list[str]:
+    from common.mesh_spec import STRATEGIES, format_mesh, strategy_mesh
+
+    return ["feature=2"] + [format_mesh(strategy_mesh(strategy, 8)) for strategy in STRATEGIES]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--nonzeros", type=int, default=330, help="n-grams per review (IMDB: 328 on average)")
-    parser.add_argument("--meshes", default="feature=2,feature=8,batch=8,batch=4;model=2,batch=2;feature=2;model=2",
-                        help="meshes separated by commas, their dims by semicolons")
+    parser.add_argument("--meshes", nargs="+", default=default_meshes(),
+                        help="meshes as NAME=SIZE,... (default: feature=2, this host's default, and every --strategy "
+                             "on 8 devices)")
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -140,7 +146,7 @@ def main() -> None:
         print(worker(mesh_spec, int(batch), int(nonzeros), mode, args.seconds))
         return
     print(f"batch {args.batch}, {args.nonzeros} non-zeros a review, width {WIDTH}, hidden {HIDDEN}")
-    for mesh_spec in (spec.replace(";", ",") for spec in args.meshes.split(",")):
+    for mesh_spec in args.meshes:
         for mode, nonzeros in [(m, args.nonzeros) for m in MODES] + [("backward", max(1, args.nonzeros // 30))]:
             done = subprocess.run([sys.executable, __file__, "--seconds", str(args.seconds), "--worker", mesh_spec,
                                    str(args.batch), str(nonzeros), mode], check=False, capture_output=True, text=True,
