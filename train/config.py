@@ -77,8 +77,8 @@ class TrainConfig:
     momentum: float = option(0.0, "SGD momentum (0 = plain SGD)")
     epochs: int = option(10, "most passes over the training split (fewer when --patience stops it)")
     patience: int = option(2, "stop after this many epochs without a better validation score (0: never)")
-    batch_size: int = option(256, "global batch size; must divide by the mesh's batch dimension (a step's fixed "
-                             "cost, Adam over the whole first kernel, is spread over more reviews than at 64)")
+    batch_size: int = option(256, "global batch size; must divide by the mesh's batch dimension (a larger batch "
+                             "spreads a step's fixed cost, Adam over the whole first kernel, over more reviews)")
     seed: int = option(0, "seed for initial weights, dropout, the validation split and data order")
     max_steps: int | None = option(None, "stop after this many steps in total (for quick runs)")
     steps_per_call: int = option(
