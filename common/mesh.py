@@ -191,6 +191,7 @@ class ModelLayouts:
     """
 
     inputs: dtensor.Layout  # [batch, max_tokens]
+    transposed_inputs: dtensor.Layout  # [max_tokens, batch]: sparse rows for the first kernel's gradient
     labels: dtensor.Layout  # [batch]
     dense1_kernel: dtensor.Layout  # [max_tokens, hidden]
     hidden: dtensor.Layout  # [hidden]: dense1 bias and BatchNorm parameters/statistics
@@ -203,6 +204,7 @@ class ModelLayouts:
         batch, feature, model = (_axis(mesh, n) for n in (BATCH, FEATURE, MODEL))
         return cls(
             inputs=dtensor.Layout([batch, feature], mesh),
+            transposed_inputs=dtensor.Layout([feature, batch], mesh),
             labels=dtensor.Layout([batch], mesh),
             dense1_kernel=dtensor.Layout([feature, model], mesh),
             hidden=dtensor.Layout([model], mesh),

@@ -9,7 +9,7 @@ as one scale and shift) and serves `inference_logits`, the same function compute
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -21,7 +21,7 @@ from common.mesh import ModelLayouts
 from common.model_config import NUM_CLASSES, ModelConfig
 from common.run_dir import MODEL_FILE
 
-__all__ = ["CLASS_NAMES", "NUM_CLASSES", "ModelConfig", "DTensorMLP", "mlp_forward", "inference_weights",
+__all__ = ["CLASS_NAMES", "NUM_CLASSES", "ModelConfig", "DTensorMLP", "SparseRows", "mlp_forward", "inference_weights",
            "inference_logits", "margin_attribution", "row_softmax", "initial_values", "restore_model"]
 
 PARAMETERS = ("dense1_kernel", "dense1_bias", "bn_gamma", "bn_beta", "dense2_kernel", "dense2_bias")
@@ -182,6 +182,30 @@ def margin_attribution(
     return logits, x.values * gradient, tf.reduce_sum(direction * shift, axis=-1) + output_bias
 
 
+class SparseRows(NamedTuple):
+    """A training batch's TF-IDF rows as packed sparse DTensors, twice: `rows` [batch, width] laid
+    out like dense inputs, `transposed` [width, batch] laid out [feature, batch].
+
+    DTensor expands a MatMul whose left operand is a packed SparseTensor into a sparse product per
+    device, but the tape's gradient of the kernel, `matmul(x, dy, transpose_a=True)`, would turn x
+    dense; with the transposed rows as a left operand of their own the kernel's gradient is a
+    sparse product too, and the step costs what the batch's n-grams cost, not the vocabulary width.
+    """
+
+    rows: tf.Tensor
+    transposed: tf.Tensor
+
+
+def sparse_first_layer(params: Mapping[str, tf.Tensor], x: SparseRows) -> tf.Tensor:
+    """`hidden_activations` of sparse rows on a mesh, the kernel's gradient as `transposed · dy`."""
+
+    @tf.custom_gradient
+    def product(kernel: tf.Tensor):  # custom_gradient: (the value, its gradient function)
+        return tf.matmul(x.rows, kernel), lambda upstream: tf.matmul(x.transposed, upstream)
+
+    return tf.nn.relu(product(params["dense1_kernel"].read_value()) + params["dense1_bias"])
+
+
 def variable_layouts(layouts: ModelLayouts) -> dict[str, dtensor.Layout]:
     return {
         "dense1_kernel": layouts.dense1_kernel,
@@ -231,14 +255,15 @@ class DTensorMLP(tf.Module):
     def params(self) -> dict[str, tf.Variable]:
         return {name: getattr(self, name) for name in PARAMETERS + STATISTICS}
 
-    def __call__(self, x: tf.Tensor, training: bool = False, dropout: float = 0.0,
+    def __call__(self, x: tf.Tensor | SparseRows, training: bool = False, dropout: float = 0.0,
                  seed: tf.Tensor | None = None) -> tf.Tensor:
-        """Logits. Training normalises with the batch's statistics (updating the moving ones) and
-        applies `dropout` with the stateless `seed`; inference uses the moving statistics only."""
+        """Logits of dense rows, of packed sparse rows (a DTensor: DTensor multiplies it sparsely),
+        or of `SparseRows`. Training normalises with the batch's statistics (updating the moving
+        ones) and applies `dropout` with the stateless `seed`; inference uses the moving statistics only."""
         params = self.params()
         if not training:
-            return mlp_forward(params, x, epsilon=self.config.bn_epsilon)
-        hidden = hidden_activations(params, x)
+            return mlp_forward(params, x.rows if isinstance(x, SparseRows) else x, epsilon=self.config.bn_epsilon)
+        hidden = sparse_first_layer(params, x) if isinstance(x, SparseRows) else hidden_activations(params, x)
         mean, variance = tf.nn.moments(hidden, axes=[0])
         momentum = self.config.bn_momentum
         self.bn_moving_mean.assign(momentum * self.bn_moving_mean + (1.0 - momentum) * mean)

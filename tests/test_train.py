@@ -23,11 +23,12 @@ from tensorflow.experimental import dtensor
 from common import mesh as meshlib
 from common.checkpoint import checkpoint_steps
 from common.mesh_spec import FEATURE, MeshError, parse_mesh
-from common.model import DTensorMLP, restore_model, to_mesh
+from common.model import DTensorMLP, SparseRows, restore_model, to_mesh
 from common.run_dir import BEST_FILE, CHECKPOINT_DIR, METRICS_FILE, TEST_FILE
 from common.vectorizer import load_vectorizer
 from train.config import TrainConfig
 from train.optim import Adam
+from train.pipeline import Batches, load_splits, sparse_inputs
 from train.state import to_host
 from train.trainer import TrainingError, train
 
@@ -50,6 +51,9 @@ def mesh_of(spec: str):
 
 
 MESHES = ["feature=8", "batch=8", "batch=4,model=2", "batch=2,feature=2,model=2", "batch=1"]
+SPARSE_MESHES = ["feature=2", "batch=2", "batch=2,feature=2,model=2", "batch=1"]
+"""Meshes on which DTensor can lay sparse rows out (batch and feature at most 2): `--first-layer auto`
+trains them sparse; the other MESHES dense."""
 
 
 @pytest.mark.parametrize("strategy", ["feature", "data", "model", "spatial"])
@@ -110,6 +114,64 @@ def test_checkpoint_restores_identically_on_any_mesh(model_parallel_run: Path, t
     restored = restore_model(model_parallel_run, mesh_of(target)).numpy_weights()
     for name, value in saved.items():
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("spec", SPARSE_MESHES)
+def test_the_sparse_first_layer_gives_the_dense_gradients(model_parallel_run: Path, spec: str) -> None:
+    """One training-mode step on real reviews, fed as dense rows and as `SparseRows` cut per device:
+    the same logits, moving statistics and gradient of every parameter, within float tolerance."""
+    mesh, config = mesh_of(spec), TrainConfig(**TINY)
+    vectorizer = load_vectorizer(model_parallel_run)
+    split = load_splits(config).train
+    results = {}
+    for sparse in (False, True):
+        model = restore_model(model_parallel_run, mesh)
+        batches = Batches(mesh, model.layouts, vectorizer, config, sparse=sparse)
+        x, y = next(batches.training(split, np.arange(64)))
+        assert isinstance(x, SparseRows) == sparse
+
+        @tf.function
+        def logits_and_gradients(x, y):  # noqa: ANN001, ANN202 - (as train_step computes them)
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+            return [dtensor.relayout(t, dtensor.Layout.replicated(mesh, t.shape.rank))
+                    for t in [logits, *tape.gradient(loss, model.parameters)]]
+
+        results[sparse] = [to_host(t) for t in logits_and_gradients(x, y)] + [model.numpy_weights()["bn_moving_mean"]]
+    names = ["logits", "d dense1_kernel", "d dense1_bias", "d bn_gamma", "d bn_beta", "d dense2_kernel",
+             "d dense2_bias", "bn_moving_mean"]
+    assert np.count_nonzero(results[False][1]) > 100  # the reviews' n-grams reach the first kernel
+    for name, dense, sparse in zip(names, results[False], results[True]):
+        np.testing.assert_allclose(sparse, dense, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_first_layer_auto_is_sparse_where_dtensor_lays_sparse_rows_out(spec: str) -> None:
+    mesh = mesh_of(spec)
+    assert sparse_inputs("auto", mesh) == (spec in SPARSE_MESHES)
+    assert not sparse_inputs("dense", mesh)
+    if spec in SPARSE_MESHES:
+        assert sparse_inputs("sparse", mesh)
+    else:
+        with pytest.raises(MeshError, match="--first-layer sparse needs a mesh whose batch and feature dims"):
+            sparse_inputs("sparse", mesh)
+
+
+def test_a_run_stopped_on_a_sparse_mesh_resumes_on_a_dense_one(tmp_path: Path) -> None:
+    """Stopped mid-epoch on feature=2 (sparse first layer), resumed on feature=8 (dense): it finishes
+    where an uninterrupted sparse run does, within the float noise two meshes' sums differ by."""
+    base = dict(TINY, epochs=1, steps_per_call=4)
+    train(TrainConfig(run_dir=str(tmp_path / "straight"), devices=2, **base))
+    stopped = train(TrainConfig(run_dir=str(tmp_path / "moved"), devices=2, max_steps=13, **base))
+    assert stopped.step == 13
+    resumed = train(TrainConfig(run_dir=str(tmp_path / "moved"), devices=8, **base))
+    assert resumed.step > 13
+    mesh = mesh_of("feature=8")
+    a = restore_model(tmp_path / "straight", mesh, "latest").numpy_weights()
+    b = restore_model(tmp_path / "moved", mesh, "latest").numpy_weights()
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=3e-5, err_msg=name)
 
 
 def test_checkpoint_files_are_sharded(model_parallel_run: Path) -> None:
@@ -280,6 +342,7 @@ def test_tensorboard_scalars_from_a_real_run(tmp_path: Path) -> None:
         (["--epochs", "0"], "--epochs must be at least 1"),
         (["--dropout", "1"], "--dropout must be in [0, 1)"),
         (["--ngrams", "9"], "--ngrams must be in 1..5"),
+        (["--first-layer", "sparse", "--mesh", "feature=8"], "--first-layer sparse needs a mesh whose batch and"),
     ],
 )
 def test_cli_reports_bad_input_clearly(tmp_path: Path, args: list[str], message: str) -> None:

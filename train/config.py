@@ -70,6 +70,14 @@ class TrainConfig:
         "(batch=N/4,feature=2,model=2)",
     )
 
+    first_layer: Literal["auto", "sparse", "dense"] = option(
+        "auto",
+        "how a training step multiplies the first layer: sparse (each batch's TF-IDF rows as sparse tensors: "
+        "the step costs what the batch's n-grams cost), dense (every vocabulary column of every review), auto "
+        "(sparse on meshes whose batch and feature dims are at most 2, where DTensor can lay sparse rows out; "
+        "dense elsewhere)",
+    )
+
     optimizer: Literal["adam", "sgd"] = option("adam", "optimizer", group="optimization")
     learning_rate: float = option(1.5e-4, "learning rate (the default suits the default --batch-size; scale it "
                                   "with the batch size)")

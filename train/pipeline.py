@@ -1,12 +1,15 @@
 """The input pipeline: splits of the data, and batches of them as DTensors on the mesh.
 
-Texts stay texts until a batch is needed: each batch is vectorized on its own (`TfIdf.dense`), so
-memory holds a few batches of features, never the corpus.
+A split is vectorized once per run (`Features`: each review's few hundred TF-IDF cells, not its
+row of the whole vocabulary), and every batch is gathered from it: sparse (packed as `SparseRows`)
+where DTensor can lay sparse rows out on the mesh (`sparse_inputs`), else densified one batch at a
+time, so memory never holds the corpus as dense rows.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -15,15 +18,36 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from common.mesh import ModelLayouts, dim_size
-from common.mesh_spec import BATCH, FEATURE
+from common.mesh_spec import BATCH, FEATURE, MeshError
+from common.model import SparseRows
 from common.vectorizer import TfIdf
 from train.config import TrainConfig
 from train.data import Split, load_data, split_validation
 
 log = logging.getLogger(__name__)
 
+VECTORIZE_CHUNK = 2048
+"""Reviews vectorized in one call while a split's `Features` are built."""
 EVALUATION_BATCH_BYTES = 128 << 20
 """The most host memory one evaluation batch's dense float32 features take (see `evaluation`)."""
+EVALUATION_ROWS = 512
+
+SPARSE_MAX_SHARDS = 2
+"""DTensor lays a packed SparseTensor's [n, 2] indices out with the tensor's own layout, so a sparse
+operand whose second dim is sharded more than 2 ways is refused ("dimension size=2 is not divisible
+by ..."): sparse rows need `feature` <= 2, and their transpose `batch` <= 2."""
+
+
+def sparse_inputs(first_layer: str, mesh: dtensor.Mesh) -> bool:
+    """Whether training batches go to the mesh sparse (`--first-layer`; see SPARSE_MAX_SHARDS)."""
+    sizes = {dim: dim_size(mesh, dim) for dim in (BATCH, FEATURE)}
+    fits = max(sizes.values()) <= SPARSE_MAX_SHARDS
+    if first_layer == "sparse" and not fits:
+        raise MeshError(
+            f"--first-layer sparse needs a mesh whose {BATCH} and {FEATURE} dims are at most {SPARSE_MAX_SHARDS} "
+            f"(DTensor cannot lay sparse rows out over more shards); this mesh has "
+            f"{', '.join(f'{dim}={size}' for dim, size in sizes.items())}: use --first-layer auto or dense")
+    return first_layer == "sparse" or (first_layer == "auto" and fits)
 
 
 @dataclass(frozen=True)
@@ -56,22 +80,63 @@ def chunks(total: int, size: int) -> Iterator[int]:
         total -= size
 
 
+@dataclass(frozen=True)
+class Features:
+    """A split's TF-IDF rows, vectorized once: per review its cells' column ids (ascending) and
+    weights as ragged rows, and its label; one more row, empty and labelled -1, pads evaluation
+    batches (`padding`)."""
+
+    columns: tf.RaggedTensor  # int64 [reviews + 1, None]
+    values: tf.RaggedTensor  # float32, the same row lengths
+    labels: tf.Tensor  # int64 [reviews + 1]
+
+    @property
+    def padding(self) -> int:
+        return int(self.labels.shape[0]) - 1
+
+    def __len__(self) -> int:
+        return self.padding
+
+
+def vectorize(vectorizer: TfIdf, split: Split) -> Features:
+    """`Features` of a split, VECTORIZE_CHUNK reviews a call (two calls at a time)."""
+    def cells(texts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        rows = tf.sparse.reorder(vectorizer.sparse(texts))
+        lengths = tf.math.bincount(rows.indices[:, 0], minlength=tf.size(texts, tf.int64), dtype=tf.int64)
+        return rows.indices[:, 1], rows.values, lengths
+
+    started = time.perf_counter()
+    ds = tf.data.Dataset.from_tensor_slices(tf.constant(list(split.texts) + [""], tf.string))
+    parts = list(ds.batch(VECTORIZE_CHUNK).map(cells, num_parallel_calls=2, deterministic=True))
+    columns, values, lengths = (tf.concat([part[i] for part in parts], 0) for i in range(3))
+    # The last row ("") has no cells: the padding row.
+    labels = tf.constant(np.concatenate([split.labels.astype(np.int64), [-1]]))
+    features = Features(tf.RaggedTensor.from_row_lengths(columns, lengths),
+                        tf.RaggedTensor.from_row_lengths(values, lengths), labels)
+    log.info("vectorized %d reviews (%d vocabulary n-grams in all) in %.1f s", len(split.texts),
+             int(columns.shape[0]), time.perf_counter() - started)
+    return features
+
+
 class Batches:
     """Global batches of texts + labels as DTensors laid out for one mesh.
 
-    Each batch is vectorized on the host (a tf.data pipeline one batch ahead: a dense batch takes
-    4 bytes per review and vocabulary column, and parallel calls would keep several in flight for no
-    faster step), cut into the piece every local device holds (its rows on `batch`, its vocabulary slice on `feature`) and
-    packed. On 8 virtual CPUs with a 100k-wide vocabulary this takes ~20 ms a batch; the
-    `DTensorDataset` it replaces needed ~300 ms (it re-batches row by row, and its already-batched
-    mode hands every device the first feature slice on a feature-sharded mesh, TF 2.21).
+    Each batch is gathered from its split's `Features` (a tf.data pipeline one batch ahead: a dense
+    batch takes 4 bytes per review and vocabulary column, so no more are in flight), cut into the
+    piece every local device holds (its rows on `batch`, its vocabulary slice on `feature`) and
+    packed: dense, or as sparse rows when `sparse` (their transpose too for training, see
+    `SparseRows`). The `DTensorDataset` this replaces was an order of magnitude slower a batch (it
+    re-batches row by row, and its already-batched mode hands every device the first feature slice on
+    a feature-sharded mesh, TF 2.21).
     """
 
-    def __init__(self, mesh: dtensor.Mesh, layouts: ModelLayouts, vectorizer: TfIdf, config: TrainConfig) -> None:
+    def __init__(self, mesh: dtensor.Mesh, layouts: ModelLayouts, vectorizer: TfIdf, config: TrainConfig,
+                 sparse: bool = False) -> None:
         self.mesh = mesh
         self.layouts = layouts
         self.vectorizer = vectorizer
         self.config = config
+        self.sparse = sparse
         self.replicas = dim_size(mesh, BATCH)
         """Batch replicas of the mesh: each gets `global batch / replicas` rows of every batch."""
         self.feature_shards = dim_size(mesh, FEATURE)
@@ -80,21 +145,46 @@ class Batches:
         self.first_replica, self.local_replicas = replicas[0], len(replicas)
         """This process's devices hold batch replicas first_replica.. (contiguous: check_client_mesh)."""
         self.cells = [(replica - self.first_replica, shard) for replica, shard in cells]
+        self._features: dict[int, tuple[Split, Features]] = {}
 
-    def iterator(self, texts: list[str], labels: np.ndarray, global_batch: int) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
-        """Global batches of `texts` (len a multiple of `global_batch`) as (features, labels) DTensors.
+    def features(self, split: Split) -> Features:
+        """The split's `Features`, vectorized on first use and kept for the run."""
+        key = id(split)
+        if key not in self._features:
+            self._features[key] = (split, vectorize(self.vectorizer, split))
+        return self._features[key][1]
 
-        With several clients each vectorizes only the rows its devices hold (a contiguous block of
+    def iterator(self, features: Features, order: np.ndarray, global_batch: int,
+                 transposed: bool = False) -> Iterator[tuple[tf.Tensor | SparseRows, tf.Tensor]]:
+        """Global batches of the `features` rows in `order` (len a multiple of `global_batch`) as
+        (features, labels) DTensors; sparse features come as `SparseRows` when `transposed`, else as
+        the packed rows alone.
+
+        With several clients each gathers only the rows its devices hold (a contiguous block of
         every global batch), so the global batch is the same set of rows a single process uses.
         """
         rows = global_batch // self.replicas
         lo, hi = self.first_replica * rows, (self.first_replica + self.local_replicas) * rows
-        ds = tf.data.Dataset.from_tensor_slices((tf.constant(texts, tf.string), tf.constant(labels, tf.int64)))
-        ds = ds.batch(global_batch, drop_remainder=True).map(
-            lambda t, y: self._cut(self.vectorizer.dense(t[lo:hi]), y[lo:hi], rows),
-            num_parallel_calls=1, deterministic=True).prefetch(1)
-        for x, y in ds:
-            yield dtensor.pack(list(x), self.layouts.inputs), dtensor.pack(list(y), self.layouts.labels)
+        mine = np.asarray(order, np.int64).reshape(-1, global_batch)[:, lo:hi]
+
+        def cut(batch: tf.Tensor) -> tuple:
+            x, y = self._gather(features, batch), tf.gather(features.labels, batch)
+            if self.sparse:
+                return self._cut_sparse(x, y, rows, transposed)
+            return self._cut(tf.scatter_nd(x.indices, x.values, x.dense_shape), y, rows)
+
+        ds = tf.data.Dataset.from_tensor_slices(mine).map(cut, num_parallel_calls=1, deterministic=True).prefetch(1)
+        for element in ds:
+            x = dtensor.pack(list(element[0]), self.layouts.inputs)
+            if transposed and self.sparse:
+                x = SparseRows(x, dtensor.pack(list(element[1]), self.layouts.transposed_inputs))
+            yield x, dtensor.pack(list(element[-1]), self.layouts.labels)
+
+    def _gather(self, features: Features, batch: tf.Tensor) -> tf.SparseTensor:
+        """Rows `batch` of `features` as a SparseTensor [len(batch), width], in canonical order."""
+        columns, values = tf.gather(features.columns, batch), tf.gather(features.values, batch)
+        indices = tf.stack([columns.value_rowids(), columns.flat_values], axis=1)
+        return tf.SparseTensor(indices, values.flat_values, [tf.size(batch, tf.int64), self.vectorizer.width])
 
     def _cut(self, x: tf.Tensor, y: tf.Tensor, rows: int) -> tuple[tuple[tf.Tensor, ...], tuple[tf.Tensor, ...]]:
         """This process's rows of a batch, cut into the piece each local device holds (in the pipeline,
@@ -104,18 +194,32 @@ class Batches:
         y = tf.reshape(y, [self.local_replicas, rows])
         return tuple(x[r, :, f, :] for r, f in self.cells), tuple(y[r] for r, _ in self.cells)
 
-    def training(self, split: Split, rows: np.ndarray) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
-        texts = [split.texts[i] for i in rows]
-        return self.iterator(texts, split.labels[rows].astype(np.int64), self.config.batch_size)
+    def _cut_sparse(self, x: tf.SparseTensor, y: tf.Tensor, rows: int, transposed: bool) -> tuple[tuple, ...]:
+        """`_cut` for sparse rows (in canonical order): each device's cells with its own row and column
+        ids, in canonical order still; and, when `transposed`, the same cells as [columns, rows],
+        reordered."""
+        F, columns = self.feature_shards, self.vectorizer.width // self.feature_shards
+        replica, shard = x.indices[:, 0] // rows, x.indices[:, 1] // columns
+        local = x.indices - tf.stack([replica * rows, shard * columns], axis=1)
+        part, parts = tf.cast(replica * F + shard, tf.int32), self.local_replicas * F
+        indices, values = tf.dynamic_partition(local, part, parts), tf.dynamic_partition(x.values, part, parts)
+        mine = [r * F + f for r, f in self.cells]
+        pieces = tuple(tf.SparseTensor(indices[i], values[i], [rows, columns]) for i in mine)
+        flipped = tuple(tf.sparse.reorder(tf.SparseTensor(tf.reverse(indices[i], [1]), values[i], [columns, rows]))
+                        for i in mine) if transposed else ()
+        y = tf.reshape(y, [self.local_replicas, rows])
+        return pieces, flipped, tuple(y[r] for r, _ in self.cells)
+
+    def training(self, split: Split, rows: np.ndarray) -> Iterator[tuple[tf.Tensor | SparseRows, tf.Tensor]]:
+        return self.iterator(self.features(split), rows, self.config.batch_size, transposed=True)
 
     def evaluation(self, split: Split) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
-        """Batches over a whole split, padded to full batches with rows whose label is -1. Up to 512
-        rows, fewer for a wide vocabulary: a batch is dense on the host, and a few are in flight
-        (512 rows of 300k n-grams were 600 MB each, most of a 6.4 GB run)."""
-        rows = min(512, EVALUATION_BATCH_BYTES // (4 * self.vectorizer.width))
+        """Batches over a whole split, padded to full batches with the empty row labelled -1. Up to
+        EVALUATION_ROWS rows; fewer for a wide vocabulary when dense: a dense batch is dense on the
+        host, and a few are in flight (512 rows of 300k n-grams were 600 MB each, most of a 6.4 GB run)."""
+        features = self.features(split)
+        rows = EVALUATION_ROWS if self.sparse else min(EVALUATION_ROWS, EVALUATION_BATCH_BYTES // (4 * self.vectorizer.width))
         batch = self.config.batch_size * max(1, rows // self.config.batch_size)
-        padded = -(-len(split.texts) // batch) * batch
-        pad = padded - len(split.texts)
-        texts = list(split.texts) + [""] * pad
-        labels = np.concatenate([split.labels.astype(np.int64), np.full(pad, -1, np.int64)])
-        return self.iterator(texts, labels, batch)
+        padded = -(-len(features) // batch) * batch
+        order = np.concatenate([np.arange(len(features)), np.full(padded - len(features), features.padding)])
+        return self.iterator(features, order, batch)
