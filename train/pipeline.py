@@ -196,8 +196,9 @@ class Batches:
 
     def _cut_sparse(self, x: tf.SparseTensor, y: tf.Tensor, rows: int, transposed: bool) -> tuple[tuple, ...]:
         """`_cut` for sparse rows (in canonical order): each device's cells with its own row and column
-        ids, in canonical order still; and, when `transposed`, the same cells as [columns, rows],
-        reordered."""
+        ids, in canonical order still; and, when `transposed`, the same cells as [columns, rows] in
+        the same order (not canonical: the sparse product needs no order, and a fixed one keeps its
+        sums deterministic)."""
         F, columns = self.feature_shards, self.vectorizer.width // self.feature_shards
         replica, shard = x.indices[:, 0] // rows, x.indices[:, 1] // columns
         local = x.indices - tf.stack([replica * rows, shard * columns], axis=1)
@@ -205,7 +206,7 @@ class Batches:
         indices, values = tf.dynamic_partition(local, part, parts), tf.dynamic_partition(x.values, part, parts)
         mine = [r * F + f for r, f in self.cells]
         pieces = tuple(tf.SparseTensor(indices[i], values[i], [rows, columns]) for i in mine)
-        flipped = tuple(tf.sparse.reorder(tf.SparseTensor(tf.reverse(indices[i], [1]), values[i], [columns, rows]))
+        flipped = tuple(tf.SparseTensor(tf.reverse(indices[i], [1]), values[i], [columns, rows])
                         for i in mine) if transposed else ()
         y = tf.reshape(y, [self.local_replicas, rows])
         return pieces, flipped, tuple(y[r] for r, _ in self.cells)
