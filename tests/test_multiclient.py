@@ -104,7 +104,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     - single: this process, batch=8 on 8 virtual CPUs, 2 epochs (checkpointed after epoch 1);
     - multi: 2 clients x 4 CPUs, batch=8, 2 epochs from scratch;
     - resumed: the single run's epoch-1 checkpoint continued for epoch 2 by 2 clients on
-      batch=4,model=2 (another mesh and another process layout).
+      batch=2,feature=2,model=2 (another mesh, with the sparse first layer, and another process layout).
     """
     from train.trainer import train
 
@@ -114,12 +114,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     multi_proc = launch(multi, 2, "--epochs", "2")
     train(config)
     shutil.copytree(single, resumed)
-    resumed_proc = launch(resumed, 2, "--epochs", "2", "--strategy", "model")
+    resumed_proc = launch(resumed, 2, "--epochs", "2", "--strategy", "spatial")
     train(TrainConfig(**{**config.__dict__, "epochs": 2}))
     outputs = {"multi": finish(multi_proc), "resumed": finish(resumed_proc)}
     for output in outputs.values():
         assert "[client 0] " in output and "[client 1] " in output
-    assert "resumed from" in outputs["resumed"]
+    assert "resumed from" in outputs["resumed"] and "sparse first layer" in outputs["resumed"]
     return {"single": single, "multi": multi, "resumed": resumed}
 
 
