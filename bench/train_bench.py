@@ -104,7 +104,7 @@ def worker(kind: str, devices: int, mesh_spec: str | None, run_dir: str, args: a
     from common.mesh import build_mesh
     from common.mesh_spec import parse_mesh
     from train.data import Split
-    from train.pipeline import Batches, sparse_inputs
+    from train.pipeline import Batches, first_layer
     from train.state import TrainState
 
     mesh = build_mesh(parse_mesh(mesh_spec), "CPU")
@@ -114,13 +114,13 @@ def worker(kind: str, devices: int, mesh_spec: str | None, run_dir: str, args: a
     layouts = state.model.layouts
 
     if kind == "dtensor":
-        batches = Batches(mesh, layouts, vectorizer, config, sparse=sparse_inputs(config.first_layer, mesh))
+        batches = Batches(mesh, layouts, vectorizer, config, first_layer(config.first_layer, mesh))
         features = batches.features(Split(texts, labels))  # once, as a training run does
         order = np.arange(len(texts) // G * G)
 
         def forever():  # noqa: ANN202 - the trainer's iterator, restarted at the end of the reviews
             while True:
-                yield from batches.iterator(features, order, G, transposed=True)
+                yield from batches.iterator(features, order, G, training=True)
 
         iterator = forever()
 
@@ -132,7 +132,7 @@ def worker(kind: str, devices: int, mesh_spec: str | None, run_dir: str, args: a
             dtensor.unpack(total)[0].numpy()
 
         result = _timed(run_call, K, args.seconds)
-        result["first_layer"] = "sparse" if batches.sparse else "dense"
+        result["first_layer"] = str(batches.layer)
         if args.breakdown:
             result.update(_breakdown(state, iterator, K, args.seconds / 2))
         return result

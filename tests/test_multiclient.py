@@ -119,7 +119,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     outputs = {"multi": finish(multi_proc), "resumed": finish(resumed_proc)}
     for output in outputs.values():
         assert "[client 0] " in output and "[client 1] " in output
-    assert "resumed from" in outputs["resumed"] and "sparse first layer" in outputs["resumed"]
+    assert "resumed from" in outputs["resumed"] and "first layer sparse" in outputs["resumed"]
     return {"single": single, "multi": multi, "resumed": resumed}
 
 

@@ -28,7 +28,7 @@ from common.run_dir import BEST_FILE, CHECKPOINT_DIR, METRICS_FILE, TEST_FILE
 from common.vectorizer import load_vectorizer
 from train.config import TrainConfig
 from train.optim import Adam
-from train.pipeline import Batches, load_splits, sparse_inputs
+from train.pipeline import Batches, FirstLayer, first_layer, load_splits
 from train.state import to_host
 from train.trainer import TrainingError, train
 
@@ -51,9 +51,17 @@ def mesh_of(spec: str):
 
 
 MESHES = ["feature=8", "batch=8", "batch=4,model=2", "batch=2,feature=2,model=2", "batch=1"]
-SPARSE_MESHES = ["feature=2", "batch=2", "batch=2,feature=2,model=2", "batch=1"]
-"""Meshes on which DTensor can lay sparse rows out (batch and feature at most 2): `--first-layer auto`
-trains them sparse; the other MESHES dense."""
+FIRST_LAYERS = {
+    "feature=2": FirstLayer(sparse_rows=True, sparse_transposed=True),
+    "batch=2": FirstLayer(True, True),
+    "batch=2,feature=2,model=2": FirstLayer(True, True),
+    "batch=1": FirstLayer(True, True),
+    "feature=8": FirstLayer(False, True),
+    "batch=8": FirstLayer(True, False),
+    "batch=4,model=2": FirstLayer(True, False),
+}
+"""What `--first-layer auto` takes on each mesh the tests use: sparse rows where `feature` <= 2,
+sparse transposed rows (the kernel's gradient) where `batch` <= 2."""
 
 
 @pytest.mark.parametrize("strategy", ["feature", "data", "model", "spatial"])
@@ -116,19 +124,20 @@ def test_checkpoint_restores_identically_on_any_mesh(model_parallel_run: Path, t
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
 
 
-@pytest.mark.parametrize("spec", SPARSE_MESHES)
+@pytest.mark.parametrize("spec", FIRST_LAYERS)
 def test_the_sparse_first_layer_gives_the_dense_gradients(model_parallel_run: Path, spec: str) -> None:
-    """One training-mode step on real reviews, fed as dense rows and as `SparseRows` cut per device:
-    the same logits, moving statistics and gradient of every parameter, within float tolerance."""
+    """One training-mode step on real reviews, fed dense and as `--first-layer auto` feeds them on
+    the mesh (sparse rows, sparse transposed rows or both, cut per device): the same logits, moving
+    statistics and gradient of every parameter, within float tolerance."""
     mesh, config = mesh_of(spec), TrainConfig(**TINY)
     vectorizer = load_vectorizer(model_parallel_run)
     split = load_splits(config).train
     results = {}
-    for sparse in (False, True):
+    for layer in (FirstLayer(False, False), first_layer("auto", mesh)):
         model = restore_model(model_parallel_run, mesh)
-        batches = Batches(mesh, model.layouts, vectorizer, config, sparse=sparse)
+        batches = Batches(mesh, model.layouts, vectorizer, config, layer)
         x, y = next(batches.training(split, np.arange(64)))
-        assert isinstance(x, SparseRows) == sparse
+        assert isinstance(x, SparseRows) == layer.sparse_transposed
 
         @tf.function
         def logits_and_gradients(x, y):  # noqa: ANN001, ANN202 - (as train_step computes them)
@@ -138,28 +147,30 @@ def test_the_sparse_first_layer_gives_the_dense_gradients(model_parallel_run: Pa
             return [dtensor.relayout(t, dtensor.Layout.replicated(mesh, t.shape.rank))
                     for t in [logits, *tape.gradient(loss, model.parameters)]]
 
-        results[sparse] = [to_host(t) for t in logits_and_gradients(x, y)] + [model.numpy_weights()["bn_moving_mean"]]
+        results[str(layer)] = [to_host(t) for t in logits_and_gradients(x, y)] + [
+            model.numpy_weights()["bn_moving_mean"]]
+    dense, sparse = results.pop("dense"), results.popitem()[1]
     names = ["logits", "d dense1_kernel", "d dense1_bias", "d bn_gamma", "d bn_beta", "d dense2_kernel",
              "d dense2_bias", "bn_moving_mean"]
-    assert np.count_nonzero(results[False][1]) > 100  # the reviews' n-grams reach the first kernel
-    for name, dense, sparse in zip(names, results[False], results[True]):
-        np.testing.assert_allclose(sparse, dense, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert np.count_nonzero(dense[1]) > 100  # the reviews' n-grams reach the first kernel
+    for name, want, got in zip(names, dense, sparse):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-@pytest.mark.parametrize("spec", MESHES)
-def test_first_layer_auto_is_sparse_where_dtensor_lays_sparse_rows_out(spec: str) -> None:
+@pytest.mark.parametrize("spec", FIRST_LAYERS)
+def test_first_layer_auto_is_sparse_where_dtensor_lays_sparse_operands_out(spec: str) -> None:
     mesh = mesh_of(spec)
-    assert sparse_inputs("auto", mesh) == (spec in SPARSE_MESHES)
-    assert not sparse_inputs("dense", mesh)
-    if spec in SPARSE_MESHES:
-        assert sparse_inputs("sparse", mesh)
+    assert first_layer("auto", mesh) == FIRST_LAYERS[spec]
+    assert first_layer("dense", mesh) == FirstLayer(False, False)
+    if FIRST_LAYERS[spec] == FirstLayer(True, True):
+        assert first_layer("sparse", mesh) == FirstLayer(True, True)
     else:
         with pytest.raises(MeshError, match="--first-layer sparse needs a mesh whose batch and feature dims"):
-            sparse_inputs("sparse", mesh)
+            first_layer("sparse", mesh)
 
 
 def test_a_run_stopped_on_a_sparse_mesh_resumes_on_a_dense_one(tmp_path: Path) -> None:
-    """Stopped mid-epoch on feature=2 (sparse first layer), resumed on feature=8 (dense): it finishes
+    """Stopped mid-epoch on feature=2 (sparse first layer), resumed on feature=8 (dense rows): it finishes
     where an uninterrupted sparse run does, within the float noise two meshes' sums differ by."""
     base = dict(TINY, epochs=1, steps_per_call=4)
     train(TrainConfig(run_dir=str(tmp_path / "straight"), devices=2, **base))

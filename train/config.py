@@ -73,9 +73,10 @@ class TrainConfig:
     first_layer: Literal["auto", "sparse", "dense"] = option(
         "auto",
         "how a training step multiplies the first layer: sparse (each batch's TF-IDF rows as sparse tensors: "
-        "the step costs what the batch's n-grams cost), dense (every vocabulary column of every review), auto "
-        "(sparse on meshes whose batch and feature dims are at most 2, where DTensor can lay sparse rows out; "
-        "dense elsewhere)",
+        "the step costs what the batch's n-grams cost; needs a mesh whose batch and feature dims are at most 2), "
+        "dense (every vocabulary column of every review), auto (each of the two products sparse where DTensor "
+        "can lay its operand out: the forward one where feature is at most 2, the kernel's gradient where batch "
+        "is at most 2; dense otherwise)",
     )
 
     optimizer: Literal["adam", "sgd"] = option("adam", "optimizer", group="optimization")

@@ -1,9 +1,9 @@
 """The input pipeline: splits of the data, and batches of them as DTensors on the mesh.
 
 A split is vectorized once per run (`Features`: each review's few hundred TF-IDF cells, not its
-row of the whole vocabulary), and every batch is gathered from it: sparse (packed as `SparseRows`)
-where DTensor can lay sparse rows out on the mesh (`sparse_inputs`), else densified one batch at a
-time, so memory never holds the corpus as dense rows.
+row of the whole vocabulary), and every batch is gathered from it: sparse where DTensor can lay
+sparse rows out on the mesh (`first_layer`), else densified one batch at a time, so memory never
+holds the corpus as dense rows.
 """
 
 from __future__ import annotations
@@ -31,24 +31,6 @@ VECTORIZE_CHUNK = 2048
 EVALUATION_BATCH_BYTES = 128 << 20
 """The most host memory one evaluation batch's dense float32 features take (see `evaluation`)."""
 EVALUATION_ROWS = 512
-
-SPARSE_MAX_SHARDS = 2
-"""DTensor lays a packed SparseTensor's [n, 2] indices out with the tensor's own layout, so a sparse
-operand whose second dim is sharded more than 2 ways is refused ("dimension size=2 is not divisible
-by ..."): sparse rows need `feature` <= 2, and their transpose `batch` <= 2."""
-
-
-def sparse_inputs(first_layer: str, mesh: dtensor.Mesh) -> bool:
-    """Whether training batches go to the mesh sparse (`--first-layer`; see SPARSE_MAX_SHARDS)."""
-    sizes = {dim: dim_size(mesh, dim) for dim in (BATCH, FEATURE)}
-    fits = max(sizes.values()) <= SPARSE_MAX_SHARDS
-    if first_layer == "sparse" and not fits:
-        raise MeshError(
-            f"--first-layer sparse needs a mesh whose {BATCH} and {FEATURE} dims are at most {SPARSE_MAX_SHARDS} "
-            f"(DTensor cannot lay sparse rows out over more shards); this mesh has "
-            f"{', '.join(f'{dim}={size}' for dim, size in sizes.items())}: use --first-layer auto or dense")
-    return first_layer == "sparse" or (first_layer == "auto" and fits)
-
 
 @dataclass(frozen=True)
 class Splits:
@@ -78,6 +60,42 @@ def chunks(total: int, size: int) -> Iterator[int]:
     while total > 0:
         yield min(size, total)
         total -= size
+
+
+SPARSE_MAX_SHARDS = 2
+"""DTensor lays a packed SparseTensor's [n, 2] indices out with the tensor's own layout, so a sparse
+operand whose second dim is sharded more than 2 ways is refused ("dimension size=2 is not divisible
+by ..."): sparse rows need `feature` <= 2, their transpose `batch` <= 2."""
+
+
+@dataclass(frozen=True)
+class FirstLayer:
+    """Which of the first layer's two products take sparse operands on a mesh: the forward X·K
+    (sparse rows; else dense rows) and the kernel's gradient Xᵀ·dY (sparse transposed rows, a
+    custom gradient; else the tape's product, which DTensor computes from dense rows)."""
+
+    sparse_rows: bool
+    sparse_transposed: bool
+
+    def __str__(self) -> str:
+        if self.sparse_rows == self.sparse_transposed:
+            return "sparse" if self.sparse_rows else "dense"
+        return "sparse forward, dense gradient" if self.sparse_rows else "dense forward, sparse gradient"
+
+
+def first_layer(choice: str, mesh: dtensor.Mesh) -> FirstLayer:
+    """`--first-layer` on `mesh`: auto makes each product sparse where DTensor can lay its operand
+    out (see SPARSE_MAX_SHARDS); sparse insists on both; dense takes neither."""
+    fits = {dim: dim_size(mesh, dim) <= SPARSE_MAX_SHARDS for dim in (BATCH, FEATURE)}
+    if choice == "dense":
+        return FirstLayer(False, False)
+    if choice == "sparse" and not all(fits.values()):
+        sizes = ", ".join(f"{dim}={dim_size(mesh, dim)}" for dim in fits)
+        raise MeshError(
+            f"--first-layer sparse needs a mesh whose {BATCH} and {FEATURE} dims are at most {SPARSE_MAX_SHARDS} "
+            f"(DTensor cannot lay sparse rows out over more shards); this mesh has {sizes}: use --first-layer "
+            "auto (each product sparse where it can be) or dense")
+    return FirstLayer(sparse_rows=fits[FEATURE], sparse_transposed=fits[BATCH])
 
 
 @dataclass(frozen=True)
@@ -124,19 +142,19 @@ class Batches:
     Each batch is gathered from its split's `Features` (a tf.data pipeline one batch ahead: a dense
     batch takes 4 bytes per review and vocabulary column, so no more are in flight), cut into the
     piece every local device holds (its rows on `batch`, its vocabulary slice on `feature`) and
-    packed: dense, or as sparse rows when `sparse` (their transpose too for training, see
-    `SparseRows`). The `DTensorDataset` this replaces was an order of magnitude slower a batch (it
-    re-batches row by row, and its already-batched mode hands every device the first feature slice on
-    a feature-sharded mesh, TF 2.21).
+    packed, as `layer` says: rows dense or sparse, and for training the sparse transposed rows
+    too (`SparseRows`). The `DTensorDataset` this replaces was an order of magnitude slower a batch
+    (it re-batches row by row, and its already-batched mode hands every device the first feature
+    slice on a feature-sharded mesh, TF 2.21).
     """
 
     def __init__(self, mesh: dtensor.Mesh, layouts: ModelLayouts, vectorizer: TfIdf, config: TrainConfig,
-                 sparse: bool = False) -> None:
+                 layer: FirstLayer = FirstLayer(False, False)) -> None:
         self.mesh = mesh
         self.layouts = layouts
         self.vectorizer = vectorizer
         self.config = config
-        self.sparse = sparse
+        self.layer = layer
         self.replicas = dim_size(mesh, BATCH)
         """Batch replicas of the mesh: each gets `global batch / replicas` rows of every batch."""
         self.feature_shards = dim_size(mesh, FEATURE)
@@ -155,10 +173,10 @@ class Batches:
         return self._features[key][1]
 
     def iterator(self, features: Features, order: np.ndarray, global_batch: int,
-                 transposed: bool = False) -> Iterator[tuple[tf.Tensor | SparseRows, tf.Tensor]]:
+                 training: bool = False) -> Iterator[tuple[tf.Tensor | SparseRows, tf.Tensor]]:
         """Global batches of the `features` rows in `order` (len a multiple of `global_batch`) as
-        (features, labels) DTensors; sparse features come as `SparseRows` when `transposed`, else as
-        the packed rows alone.
+        (features, labels) DTensors: the rows (dense or sparse), or for `training` with a sparse
+        gradient `SparseRows`.
 
         With several clients each gathers only the rows its devices hold (a contiguous block of
         every global batch), so the global batch is the same set of rows a single process uses.
@@ -166,19 +184,19 @@ class Batches:
         rows = global_batch // self.replicas
         lo, hi = self.first_replica * rows, (self.first_replica + self.local_replicas) * rows
         mine = np.asarray(order, np.int64).reshape(-1, global_batch)[:, lo:hi]
+        transposed = training and self.layer.sparse_transposed
 
         def cut(batch: tf.Tensor) -> tuple:
             x, y = self._gather(features, batch), tf.gather(features.labels, batch)
-            if self.sparse:
-                return self._cut_sparse(x, y, rows, transposed)
-            return self._cut(tf.scatter_nd(x.indices, x.values, x.dense_shape), y, rows)
+            y = tf.reshape(y, [self.local_replicas, rows])
+            return (*self._cut(x, rows, transposed), tuple(y[r] for r, _ in self.cells))
 
         ds = tf.data.Dataset.from_tensor_slices(mine).map(cut, num_parallel_calls=1, deterministic=True).prefetch(1)
-        for element in ds:
-            x = dtensor.pack(list(element[0]), self.layouts.inputs)
-            if transposed and self.sparse:
-                x = SparseRows(x, dtensor.pack(list(element[1]), self.layouts.transposed_inputs))
-            yield x, dtensor.pack(list(element[-1]), self.layouts.labels)
+        for pieces, flipped, labels in ds:
+            x = dtensor.pack(list(pieces), self.layouts.inputs)
+            if transposed:
+                x = SparseRows(x, dtensor.pack(list(flipped), self.layouts.transposed_inputs))
+            yield x, dtensor.pack(list(labels), self.layouts.labels)
 
     def _gather(self, features: Features, batch: tf.Tensor) -> tf.SparseTensor:
         """Rows `batch` of `features` as a SparseTensor [len(batch), width], in canonical order."""
@@ -186,40 +204,40 @@ class Batches:
         indices = tf.stack([columns.value_rowids(), columns.flat_values], axis=1)
         return tf.SparseTensor(indices, values.flat_values, [tf.size(batch, tf.int64), self.vectorizer.width])
 
-    def _cut(self, x: tf.Tensor, y: tf.Tensor, rows: int) -> tuple[tuple[tf.Tensor, ...], tuple[tf.Tensor, ...]]:
-        """This process's rows of a batch, cut into the piece each local device holds (in the pipeline,
-        so the host only packs)."""
-        F = self.feature_shards
-        x = tf.reshape(x, [self.local_replicas, rows, F, self.vectorizer.width // F])
-        y = tf.reshape(y, [self.local_replicas, rows])
-        return tuple(x[r, :, f, :] for r, f in self.cells), tuple(y[r] for r, _ in self.cells)
-
-    def _cut_sparse(self, x: tf.SparseTensor, y: tf.Tensor, rows: int, transposed: bool) -> tuple[tuple, ...]:
-        """`_cut` for sparse rows (in canonical order): each device's cells with its own row and column
-        ids, in canonical order still; and, when `transposed`, the same cells as [columns, rows] in
-        the same order (not canonical: the sparse product needs no order, and a fixed one keeps its
-        sums deterministic)."""
+    def _cut(self, x: tf.SparseTensor, rows: int, transposed: bool) -> tuple[tuple, tuple]:
+        """This process's rows of a batch cut into the piece each local device holds (in the
+        pipeline, so the host only packs): dense, or sparse with the device's own row and column ids
+        (canonical order still); and when `transposed` the same cells as [columns, rows] in the same
+        order (not canonical: the sparse product needs no order, and a fixed one keeps its sums
+        deterministic)."""
         F, columns = self.feature_shards, self.vectorizer.width // self.feature_shards
+        if not self.layer.sparse_rows:
+            dense = tf.reshape(tf.scatter_nd(x.indices, x.values, x.dense_shape), [self.local_replicas, rows, F, columns])
+            pieces = tuple(dense[r, :, f, :] for r, f in self.cells)
+        if not (self.layer.sparse_rows or transposed):
+            return pieces, ()
         replica, shard = x.indices[:, 0] // rows, x.indices[:, 1] // columns
         local = x.indices - tf.stack([replica * rows, shard * columns], axis=1)
         part, parts = tf.cast(replica * F + shard, tf.int32), self.local_replicas * F
         indices, values = tf.dynamic_partition(local, part, parts), tf.dynamic_partition(x.values, part, parts)
         mine = [r * F + f for r, f in self.cells]
-        pieces = tuple(tf.SparseTensor(indices[i], values[i], [rows, columns]) for i in mine)
+        if self.layer.sparse_rows:
+            pieces = tuple(tf.SparseTensor(indices[i], values[i], [rows, columns]) for i in mine)
         flipped = tuple(tf.SparseTensor(tf.reverse(indices[i], [1]), values[i], [columns, rows])
                         for i in mine) if transposed else ()
-        y = tf.reshape(y, [self.local_replicas, rows])
-        return pieces, flipped, tuple(y[r] for r, _ in self.cells)
+        return pieces, flipped
 
     def training(self, split: Split, rows: np.ndarray) -> Iterator[tuple[tf.Tensor | SparseRows, tf.Tensor]]:
-        return self.iterator(self.features(split), rows, self.config.batch_size, transposed=True)
+        return self.iterator(self.features(split), rows, self.config.batch_size, training=True)
 
     def evaluation(self, split: Split) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
         """Batches over a whole split, padded to full batches with the empty row labelled -1. Up to
         EVALUATION_ROWS rows; fewer for a wide vocabulary when dense: a dense batch is dense on the
         host, and a few are in flight (512 rows of 300k n-grams were 600 MB each, most of a 6.4 GB run)."""
         features = self.features(split)
-        rows = EVALUATION_ROWS if self.sparse else min(EVALUATION_ROWS, EVALUATION_BATCH_BYTES // (4 * self.vectorizer.width))
+        rows = EVALUATION_ROWS
+        if not self.layer.sparse_rows:
+            rows = min(rows, EVALUATION_BATCH_BYTES // (4 * self.vectorizer.width))
         batch = self.config.batch_size * max(1, rows // self.config.batch_size)
         padded = -(-len(features) // batch) * batch
         order = np.concatenate([np.arange(len(features)), np.full(padded - len(features), features.padding)])

@@ -63,7 +63,7 @@ from common.vectorizer import (
 )
 from train.config import TrainConfig
 from train.data import Split
-from train.pipeline import Batches, chunks, epoch_order, load_splits, sparse_inputs
+from train.pipeline import Batches, chunks, epoch_order, first_layer, load_splits
 from train.report import Report, progress_bar
 from train.state import TrainProgress, TrainState, to_host
 
@@ -130,7 +130,7 @@ def _train_run(config: TrainConfig, mesh: dtensor.Mesh, test: bool = True) -> Tr
     if len(splits.train.texts) < config.batch_size:
         raise TrainingError(f"--batch-size {config.batch_size} is larger than the {len(splits.train.texts)} "
                             "training examples")
-    sparse = sparse_inputs(config.first_layer, mesh)
+    layer = first_layer(config.first_layer, mesh)
     run_dir.mkdir(parents=True, exist_ok=True)  # only now: bad data or flags leave no empty run directory
     chief = config.client_id == 0
     vectorizer, model_config = _prepare_vocabulary(config, run_dir, splits.train, resuming, mesh, chief)
@@ -144,12 +144,12 @@ def _train_run(config: TrainConfig, mesh: dtensor.Mesh, test: bool = True) -> Tr
     progress = state.progress.read()
     report = Report(run_dir, chief=chief, progress=config.progress, tensorboard=config.tensorboard,
                     finished_epochs=progress.epoch)
-    batches = Batches(mesh, state.model.layouts, vectorizer, config, sparse=sparse)
+    batches = Batches(mesh, state.model.layouts, vectorizer, config, layer)
     steps_per_epoch = len(splits.train.texts) // config.batch_size  # the last partial batch is dropped
     log.info("mesh %s on %d %s device(s), vocabulary of %d n-grams (width %d); %d steps/epoch, batch %d, "
-             "%s first layer", ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names),
+             "first layer %s", ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names),
              mesh.num_local_devices() * config.num_clients, mesh.device_type(), len(vectorizer.vocabulary),
-             model_config.max_tokens, steps_per_epoch, config.batch_size, "sparse" if batches.sparse else "dense")
+             model_config.max_tokens, steps_per_epoch, config.batch_size, layer)
     run = _Run(config, run_dir, state, batches, store, report, steps_per_epoch)
     try:
         with _stop_on_signals() as stop:
