@@ -1,6 +1,6 @@
 """Accuracy benchmark: the default training run against scikit-learn baselines on the same split.
 
-    python bench/accuracy_bench.py [--data TRAIN,TEST] [--short N] [--bundled] [-- extra python -m train flags]
+    python bench/accuracy_bench.py [--data TRAIN,TEST] [--short N] [--sentences N] [--bundled] [-- extra python -m train flags]
 
 For each dataset it runs `python -m train` with the default configuration (a real process: the
 wall time covers vocabulary, training and evaluation; peak RSS is that process's own) and, in the
@@ -10,6 +10,9 @@ all uni+bi+trigrams scaled by their naive-Bayes log-count ratios (NBSVM's featur
   - `--data` (default: the IMDB copy at ../shared/data/imdb when it exists, else the bundled corpus);
   - with `--short N` also N short reviews made from it: the first sentence of each review, at most 30
     words (a stand-in for one-line review data, to check the defaults are not tuned to long texts);
+  - with `--sentences N` also a sentence-level corpus made from it: N sentences of its training
+    reviews and N/5 of its test reviews (3 to 50 words, each labelled by its review; a stand-in for
+    a large set of one-line examples, where a step's cost per example matters most);
   - with `--bundled` also the corpus bundled with the package (what `python -m train` reads by default).
 The table goes to bench/results/accuracy.json (the docs' benchmark page renders it).
 scikit-learn is a bench extra: pip install -e ".[bench]".
@@ -61,6 +64,28 @@ def make_short(spec: str, n: int, workdir: Path) -> str:
             for text, label in list(zip(texts, labels))[:n]:
                 first = re.split(r"(?<=[.!?])\s+|<br\s*/?>", text.strip(), maxsplit=1)[0]
                 handle.write(json.dumps({"text": " ".join(first.split()[:30]), "label": label}) + "\n")
+        paths.append(str(path))
+    return ",".join(paths)
+
+
+def sentences_of(text: str) -> list[str]:
+    return [" ".join(part.split()[:50]) for part in re.split(r"(?<=[.!?])\s+|<br\s*/?>", text.strip())
+            if len(part.split()) >= 3]
+
+
+def make_sentences(spec: str, n: int, workdir: Path) -> str:
+    """n sentences of the training reviews and n/5 of the test reviews, each labelled by its review,
+    as a train,test JSONL pair."""
+    train_x, train_y, test_x, test_y = read_split(spec)
+    paths = []
+    for name, texts, labels, count in (("train", train_x, train_y, n), ("test", test_x, test_y, n // 5)):
+        pairs = [(sentence, label) for text, label in zip(texts, labels) for sentence in sentences_of(text)]
+        if len(pairs) < count:
+            raise SystemExit(f"--sentences {n}: the {name} reviews have only {len(pairs)} sentences")
+        path = workdir / f"sentences-{name}.jsonl.gz"
+        with gzip.open(path, "wt", encoding="utf-8") as handle:
+            for sentence, label in pairs[:count]:
+                handle.write(json.dumps({"text": sentence, "label": label}) + "\n")
         paths.append(str(path))
     return ",".join(paths)
 
@@ -124,6 +149,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=default_data(), help="train,test files or any --data of python -m train")
     p.add_argument("--short", type=int, default=0, help="also N short reviews made from --data (0: not)")
+    p.add_argument("--sentences", type=int, default=0, help="also N sentences made from --data (0: not)")
     p.add_argument("--bundled", action="store_true", help="also the bundled corpus (when --data is not it)")
     p.add_argument("train_flags", nargs="*", help="extra flags for python -m train (after --)")
     a = p.parse_args()
@@ -133,6 +159,8 @@ def main() -> None:
         datasets = [("data", a.data)]
         if a.short:
             datasets.append((f"short ({a.short})", make_short(a.data, a.short, workdir)))
+        if a.sentences:
+            datasets.append((f"sentences ({a.sentences})", make_sentences(a.data, a.sentences, workdir)))
         if a.bundled and a.data != "bundled":
             datasets.append(("bundled", "bundled"))
         rows = []
@@ -184,8 +212,12 @@ def record_table(rows: list[tuple[str, str, dict, dict]], a: argparse.Namespace)
     for label, spec, ours, base in rows:
         how = (refit_description(ours["epochs"]) if ours["refit"]
                else f"{ours['epochs']} epochs, best {ours['best']}")
-        data = (f"{a.short:,} short reviews (first sentences of <= 30 words, {describe(a.data)})"
-                if label.startswith("short") else describe(spec))
+        data = describe(spec)
+        if label.startswith("short"):
+            data = f"{a.short:,} short reviews (first sentences of <= 30 words, {describe(a.data)})"
+        elif label.startswith("sentences"):
+            data = (f"{a.sentences:,} + {a.sentences // 5:,} sentences of {describe(a.data)} reviews, labelled by "
+                    "their review")
         table.append([data, f"{ours['accuracy']:.2%} ({how})", f"{ours['seconds']:.0f} s",
                       f"{ours['peak_rss_mb'] / 1024:.1f} GB", *(f"{base[n]['accuracy']:.2%}" for n in names)])
     record("accuracy", ["data", "python -m train (default)", "wall time", "peak RSS", *names], table, settings={
