@@ -183,25 +183,34 @@ def margin_attribution(
 
 
 class SparseRows(NamedTuple):
-    """A training batch's TF-IDF rows as packed sparse DTensors, twice: `rows` [batch, width] laid
-    out like dense inputs, `transposed` [width, batch] laid out [feature, batch].
+    """A training batch's TF-IDF rows for a sparse kernel gradient: `transposed` [width, batch], a
+    packed sparse DTensor laid out [feature, batch], and `rows` [batch, width] laid out like
+    dense inputs (sparse or dense), or None where the mesh cannot take them sparse.
 
     DTensor expands a MatMul whose left operand is a packed SparseTensor into a sparse product per
     device, but the tape's gradient of the kernel, `matmul(x, dy, transpose_a=True)`, would turn x
     dense; with the transposed rows as a left operand of their own the kernel's gradient is a
     sparse product too, and the step costs what the batch's n-grams cost, not the vocabulary width.
+    Without `rows` the forward product is `matmul(transposed, kernel, transpose_a=True)`, which
+    DTensor computes from the transposed rows made dense on each device (in canonical order, which
+    that needs): the host then never builds or copies a dense batch.
     """
 
-    rows: tf.Tensor
+    rows: tf.Tensor | None
     transposed: tf.Tensor
 
 
 def sparse_first_layer(params: Mapping[str, tf.Tensor], x: SparseRows) -> tf.Tensor:
-    """`hidden_activations` of sparse rows on a mesh, the kernel's gradient as `transposed · dy`."""
+    """`hidden_activations` of `SparseRows` on a mesh, the kernel's gradient as `transposed · dy`."""
+
+    def forward(kernel: tf.Tensor) -> tf.Tensor:
+        if x.rows is None:
+            return tf.matmul(x.transposed, kernel, transpose_a=True)
+        return tf.matmul(x.rows, kernel)
 
     @tf.custom_gradient
     def product(kernel: tf.Tensor):  # custom_gradient: (the value, its gradient function)
-        return tf.matmul(x.rows, kernel), lambda upstream: tf.matmul(x.transposed, upstream)
+        return forward(kernel), lambda upstream: tf.matmul(x.transposed, upstream)
 
     return tf.nn.relu(product(params["dense1_kernel"].read_value()) + params["dense1_bias"])
 

@@ -71,8 +71,9 @@ by ..."): sparse rows need `feature` <= 2, their transpose `batch` <= 2."""
 @dataclass(frozen=True)
 class FirstLayer:
     """Which of the first layer's two products take sparse operands on a mesh: the forward X·K
-    (sparse rows; else dense rows) and the kernel's gradient Xᵀ·dY (sparse transposed rows, a
-    custom gradient; else the tape's product, which DTensor computes from dense rows)."""
+    (sparse rows; else dense rows, made on the devices from the transposed rows where there are
+    some, see `SparseRows`) and the kernel's gradient Xᵀ·dY (sparse transposed rows, a custom
+    gradient; else the tape's product, which DTensor computes from the rows made dense)."""
 
     sparse_rows: bool
     sparse_transposed: bool
@@ -80,7 +81,7 @@ class FirstLayer:
     def __str__(self) -> str:
         if self.sparse_rows == self.sparse_transposed:
             return "sparse" if self.sparse_rows else "dense"
-        return "sparse forward, dense gradient" if self.sparse_rows else "dense forward, sparse gradient"
+        return "sparse forward, dense gradient" if self.sparse_rows else "sparse gradient, forward dense on the devices"
 
 
 def first_layer(choice: str, mesh: dtensor.Mesh) -> FirstLayer:
@@ -193,7 +194,7 @@ class Batches:
 
         ds = tf.data.Dataset.from_tensor_slices(mine).map(cut, num_parallel_calls=1, deterministic=True).prefetch(1)
         for pieces, flipped, labels in ds:
-            x = dtensor.pack(list(pieces), self.layouts.inputs)
+            x = dtensor.pack(list(pieces), self.layouts.inputs) if pieces else None
             if transposed:
                 x = SparseRows(x, dtensor.pack(list(flipped), self.layouts.transposed_inputs))
             yield x, dtensor.pack(list(labels), self.layouts.labels)
@@ -211,7 +212,9 @@ class Batches:
         order (not canonical: the sparse product needs no order, and a fixed one keeps its sums
         deterministic)."""
         F, columns = self.feature_shards, self.vectorizer.width // self.feature_shards
-        if not self.layer.sparse_rows:
+        if transposed and not self.layer.sparse_rows:
+            pieces = ()  # the forward product takes the transposed rows (SparseRows)
+        elif not self.layer.sparse_rows:
             dense = tf.reshape(tf.scatter_nd(x.indices, x.values, x.dense_shape), [self.local_replicas, rows, F, columns])
             pieces = tuple(dense[r, :, f, :] for r, f in self.cells)
         if not (self.layer.sparse_rows or transposed):
@@ -225,6 +228,8 @@ class Batches:
             pieces = tuple(tf.SparseTensor(indices[i], values[i], [rows, columns]) for i in mine)
         flipped = tuple(tf.SparseTensor(tf.reverse(indices[i], [1]), values[i], [columns, rows])
                         for i in mine) if transposed else ()
+        if not self.layer.sparse_rows:  # the forward product densifies them on the devices: canonical order
+            flipped = tuple(tf.sparse.reorder(t) for t in flipped)
         return pieces, flipped
 
     def training(self, split: Split, rows: np.ndarray) -> Iterator[tuple[tf.Tensor | SparseRows, tf.Tensor]]:
