@@ -32,6 +32,7 @@ EVALUATION_BATCH_BYTES = 128 << 20
 """The most host memory one evaluation batch's dense float32 features take (see `evaluation`)."""
 EVALUATION_ROWS = 512
 
+
 @dataclass(frozen=True)
 class Splits:
     train: Split
@@ -208,9 +209,9 @@ class Batches:
     def _cut(self, x: tf.SparseTensor, rows: int, transposed: bool) -> tuple[tuple, tuple]:
         """This process's rows of a batch cut into the piece each local device holds (in the
         pipeline, so the host only packs): dense, or sparse with the device's own row and column ids
-        (canonical order still); and when `transposed` the same cells as [columns, rows] in the same
-        order (not canonical: the sparse product needs no order, and a fixed one keeps its sums
-        deterministic)."""
+        (canonical order still); and when `transposed` the same cells as [columns, rows]: in the same
+        order where the rows go too (the sparse product needs no order, and a fixed one keeps its
+        sums deterministic), reordered where the forward product makes them dense (which needs it)."""
         F, columns = self.feature_shards, self.vectorizer.width // self.feature_shards
         if transposed and not self.layer.sparse_rows:
             pieces = ()  # the forward product takes the transposed rows (SparseRows)
