@@ -169,9 +169,10 @@ def test_first_layer_auto_is_sparse_where_dtensor_lays_sparse_operands_out(spec:
             first_layer("sparse", mesh)
 
 
-def test_a_run_stopped_on_a_sparse_mesh_resumes_on_a_dense_one(tmp_path: Path) -> None:
-    """Stopped mid-epoch on feature=2 (sparse first layer), resumed on feature=8 (dense rows): it finishes
-    where an uninterrupted sparse run does, within the float noise two meshes' sums differ by."""
+def test_a_run_stopped_on_one_first_layer_path_resumes_on_another(tmp_path: Path) -> None:
+    """Stopped mid-epoch on feature=2 (both products sparse), resumed on feature=8 (a sparse gradient,
+    the forward product from rows made dense on the devices): it finishes where an uninterrupted
+    feature=2 run does, within the float noise two meshes' sums differ by."""
     base = dict(TINY, epochs=1, steps_per_call=4)
     train(TrainConfig(run_dir=str(tmp_path / "straight"), devices=2, **base))
     stopped = train(TrainConfig(run_dir=str(tmp_path / "moved"), devices=2, max_steps=13, **base))
