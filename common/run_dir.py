@@ -4,6 +4,8 @@
       train_config.json  model.json  vocabulary.json   what was trained, and how
       metrics.jsonl                                     one line per finished epoch
       best.json                                         the checkpoint with the best validation score
+      held_out.jsonl.gz                                 validation reviews, for export's drift baseline
+      selection/                                        with --refit: the run that chose the epochs
       test.json                                         the test split's score, and of which checkpoint
       checkpoints/ckpt-<step>.index, .data-*            sharded DTensor checkpoints (+ TF's state file)
       tensorboard/                                      event files for `tensorboard --logdir runs/`
@@ -13,13 +15,14 @@ Every file is written atomically (temp file + rename), so a killed run never lea
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,11 @@ METRICS_FILE = "metrics.jsonl"
 BEST_FILE = "best.json"
 TEST_FILE = "test.json"
 CHECKPOINT_DIR = "checkpoints"
+SELECTION_DIR = "selection"
+"""Inside a run directory trained with --refit: the run that chose the number of epochs."""
+HELD_OUT_FILE = "held_out.jsonl.gz"
+HELD_OUT_MAX = 5000
+"""At most this many held-out reviews are kept for the drift baseline (its deciles need far fewer)."""
 TENSORBOARD_DIR = "tensorboard"
 TMP_PREFIX = ".tmp-"
 """Exports write `MODEL_DIR/.tmp-<version>-<pid>` and rename it when complete."""
@@ -48,6 +56,33 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, value: Any) -> None:
     atomic_write_text(path, json.dumps(value, indent=2) + "\n")
+
+
+def write_held_out(run_dir: Path, texts: Sequence[str], labels: Sequence[int]) -> None:
+    """The validation reviews (HELD_OUT_MAX of them, evenly spaced, when there are more), which
+    export describes in the model's drift baseline: data the model did not train on, kept in the
+    run so the export needs no data."""
+    step = max(1.0, len(texts) / HELD_OUT_MAX)
+    keep = sorted({int(i * step) for i in range(min(len(texts), HELD_OUT_MAX))})
+    lines = "".join(json.dumps({"text": texts[i], "label": int(labels[i])}) + "\n" for i in keep)
+    path = Path(run_dir) / HELD_OUT_FILE
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(gzip.compress(lines.encode(), compresslevel=6, mtime=0))
+    os.replace(tmp, path)
+
+
+def read_held_out(run_dir: Path) -> tuple[list[str], list[int]] | None:
+    """(texts, labels) of the run's held-out reviews; None when the run kept none."""
+    path = Path(run_dir) / HELD_OUT_FILE
+    if not path.is_file():
+        return None
+    try:
+        records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines()]
+        return [str(r["text"]) for r in records], [int(r["label"]) for r in records]
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
+        raise RunDirError(f"{path} is damaged ({type(exc).__name__}); delete it to export without a "
+                          "drift baseline, or train again") from None
 
 
 def read_best(run_dir: Path) -> dict | None:

@@ -156,6 +156,31 @@ class TfIdf(tf.Module):
         not in canonical order (`tf.sparse.reorder` before an op that needs it); matmul takes them
         as they are."""
         ids, rows = self._ngram_ids(texts)
+        return self._tfidf(texts, ids, rows)
+
+    def sparse_and_counts(self, texts: tf.Tensor) -> tuple[tf.SparseTensor, dict[str, tf.Tensor]]:
+        """`sparse(texts)` and, per review, what drift monitoring needs of it (int64 [batch] each):
+        its words, its n-grams (1..n-grams within the review) and those found in the vocabulary.
+        The n-grams are hashed and looked up once for both."""
+        keys, rows, words = _ngram_keys_and_words(texts, self.settings.ngrams)
+        word_rows = rows[:tf.size(words)]  # the unigrams come first, one per word
+        ids = self.table.lookup(keys)
+        found = tf.where(ids >= 0)[:, 0]
+        batch = tf.shape(texts, out_type=tf.int64)[0]
+
+        def per_review(where: tf.Tensor) -> tf.Tensor:
+            return tf.math.bincount(tf.cast(tf.boolean_mask(rows, where), tf.int32), minlength=tf.cast(batch, tf.int32),
+                                    maxlength=tf.cast(batch, tf.int32), dtype=tf.int64)
+
+        counts = {
+            "words": tf.math.bincount(tf.cast(word_rows, tf.int32), minlength=tf.cast(batch, tf.int32),
+                                      maxlength=tf.cast(batch, tf.int32), dtype=tf.int64),
+            "ngrams": per_review(tf.not_equal(keys, tf.constant(_NO_KEY, tf.int64))),
+            "known_ngrams": per_review(ids >= 0),
+        }
+        return self._tfidf(texts, tf.gather(ids, found), tf.gather(rows, found)), counts
+
+    def _tfidf(self, texts: tf.Tensor, ids: tf.Tensor, rows: tf.Tensor) -> tf.SparseTensor:
         width = tf.constant(self.width, tf.int64)
         cells, _, counts = tf.unique_with_counts(rows * width + ids, out_idx=tf.int64)
         rows, columns = cells // width, cells % width

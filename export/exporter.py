@@ -31,6 +31,7 @@ from common.checkpoint import (
     checkpoint_steps,
     verify_checkpoint,
 )
+from common.drift import BASELINE_FILE, MONITOR_SIGNATURE, Baseline, BaselineError, review_statistics
 from common.mesh import single_device_mesh
 from common.model import (
     CLASS_NAMES,
@@ -41,7 +42,17 @@ from common.model import (
     restore_model,
     row_softmax,
 )
-from common.run_dir import CHECKPOINT_DIR, MODEL_FILE, TMP_PREFIX, RunDirError, clean_leftovers, read_best, read_test
+from common.run_dir import (
+    CHECKPOINT_DIR,
+    MODEL_FILE,
+    SELECTION_DIR,
+    TMP_PREFIX,
+    RunDirError,
+    clean_leftovers,
+    read_best,
+    read_held_out,
+    read_test,
+)
 from common.tf_serving import (
     ASSETS_EXTRA,
     CLASSIFY_METHOD,
@@ -136,14 +147,24 @@ class SentimentModel(tf.Module):
         return self.mlp(self.vectorizer.sparse(text))
 
     # autograph=False: nothing here branches on a tensor, and converting the Python took ~1 s per export.
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")], autograph=False)
-    def serve(self, text: tf.Tensor) -> dict[str, tf.Tensor]:
-        logits = self._logits(text)
+    def _answers(self, logits: tf.Tensor) -> dict[str, tf.Tensor]:
         return {
             "probabilities": row_softmax(logits),
             "logits": logits,
             "label": tf.gather(self.class_names, tf.argmax(logits, axis=1)),
         }
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")], autograph=False)
+    def serve(self, text: tf.Tensor) -> dict[str, tf.Tensor]:
+        return self._answers(self._logits(text))
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")], autograph=False)
+    def monitor(self, text: tf.Tensor) -> dict[str, tf.Tensor]:
+        """serving_default's outputs, computed by the same ops, and per review what drift monitoring
+        needs (`common.drift.COUNT_OUTPUTS`): the server answers predict requests with this one
+        call when it monitors the version, and hands clients only serving_default's outputs."""
+        features, counts = self.vectorizer.sparse_and_counts(text)
+        return {**self._answers(self.mlp(features)), **counts}
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")], autograph=False)
     def explain(self, text: tf.Tensor) -> dict[str, tf.Tensor]:
@@ -264,6 +285,48 @@ def build_serving_model(run_dir: Path, checkpoint: str = "best", vectorizer: TfI
     return SentimentModel(vectorizer or load_vectorizer(run_dir), mlp)
 
 
+def drift_baseline(run_dir: Path, module: SentimentModel) -> Baseline | None:
+    """The drift baseline (`common.drift`) of reviews the exported model's kind did not train on:
+    the run's validation reviews through this model; after a refit (which trained on them), the
+    selection run's validation reviews through the selection run's best model and vocabulary, the
+    same pair of model and unseen data. None (logged) for a run that kept no validation split."""
+    held_out = _held_out(run_dir)
+    source, model = "the training run's validation reviews", module
+    selection = run_dir / SELECTION_DIR
+    if held_out is None and (selection / CHECKPOINT_DIR).is_dir():
+        held_out = _held_out(selection)
+        if held_out is not None:
+            log.info("drift baseline from the selection run's validation reviews and best model")
+            source, model = "the selection run's validation reviews (the refit trained on them)", \
+                build_serving_model(selection, "best")
+    if held_out is None:
+        log.warning("%s kept no validation reviews (--validation-fraction 0?): this export has no drift baseline, "
+                    "and the server will not monitor it", run_dir)
+        return None
+    texts, labels = held_out
+    outputs: dict[str, list[np.ndarray]] = {}
+    for start in range(0, len(texts), 256):
+        for name, value in model.monitor(tf.constant(texts[start:start + 256])).items():
+            outputs.setdefault(name, []).append(value.numpy())
+    joined = {name: np.concatenate(values) for name, values in outputs.items()}
+    try:
+        baseline = Baseline.from_reviews(review_statistics(joined, joined["probabilities"]), np.asarray(labels),
+                                         f"{len(texts)} of {source}")
+    except BaselineError as exc:
+        log.warning("this export has no drift baseline: %s", exc)
+        return None
+    log.info("drift baseline: %d held-out reviews, %.1f%% low-confidence answers", baseline.reviews,
+             100 * baseline.low_confidence_share)
+    return baseline
+
+
+def _held_out(run_dir: Path) -> tuple[list[str], list[int]] | None:
+    try:
+        return read_held_out(run_dir)
+    except RunDirError as exc:
+        raise ExportError(str(exc)) from None
+
+
 def mark_classify(saved_model_dir: Path) -> None:
     """TF2's saved_model.save writes every signature as a Predict one; TF Serving's Classify API
     needs method_name tensorflow/serving/classify, so set it in saved_model.pb."""
@@ -314,8 +377,28 @@ def _verify(saved_model_dir: Path, module: SentimentModel, samples: Sequence[str
     ):
         if not np.allclose(value, reference, rtol=0.0, atol=TOLERANCE):
             raise ExportError(f"the saved model's {what} differ from the restored model's by {np.abs(value - reference).max():g}")
+    monitored = loaded.signatures[MONITOR_SIGNATURE](text=texts)
+    for name in out:
+        if not np.array_equal(monitored[name].numpy(), out[name].numpy()):
+            raise ExportError(f"the monitor signature's {name} differ from serving_default's")
     labels = [label.decode() for label in out["label"].numpy()]
     return [Prediction(t, label, (float(p[0]), float(p[1]))) for t, label, p in zip(samples, labels, probabilities)]
+
+
+def _export_info(module: SentimentModel, model_config: ModelConfig, prefix: str, step: int | None,
+                 validation_accuracy: float | None, test_accuracy: float | None) -> dict:
+    """assets.extra/export_info.json: where the version came from, for people reading it."""
+    return {
+        "checkpoint": str(Path(prefix).resolve()),
+        "step": step,
+        "validation_accuracy": validation_accuracy,
+        "test_accuracy": test_accuracy,
+        "model": dataclasses.asdict(model_config),
+        "vocabulary_size": len(module.vectorizer.vocabulary),
+        "vectorizer": {k: v for k, v in module.vectorizer.state().items() if k not in ("vocabulary", "idf", "nb")},
+        "class_names": list(CLASS_NAMES),
+        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def export_model(config: ExportConfig) -> ExportResult:
@@ -335,6 +418,7 @@ def export_model(config: ExportConfig) -> ExportResult:
 
     module = build_serving_model(run_dir, Path(prefix).name, vectorizer)
     log.info("restored %s (step %s); writing %s", prefix, step, final)
+    baseline = drift_baseline(run_dir, module)
 
     created_model_dir = not model_dir.exists()
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -348,22 +432,15 @@ def export_model(config: ExportConfig) -> ExportResult:
                 DEFAULT_SIGNATURE: module.serve.get_concrete_function(),
                 CLASSIFY_SIGNATURE: module.classify.get_concrete_function(),
                 EXPLAIN_SIGNATURE: module.explain.get_concrete_function(),
+                MONITOR_SIGNATURE: module.monitor.get_concrete_function(),
             },
         )
         mark_classify(tmp)
         (tmp / ASSETS_EXTRA).mkdir()
+        if baseline is not None:
+            baseline.save(tmp / ASSETS_EXTRA / BASELINE_FILE)
         _write_warmup(tmp / WARMUP_FILE, model_dir.resolve().name, config.samples)
-        info = {
-            "checkpoint": str(Path(prefix).resolve()),
-            "step": step,
-            "validation_accuracy": validation_accuracy,
-            "test_accuracy": test_accuracy,
-            "model": dataclasses.asdict(model_config),
-            "vocabulary_size": len(module.vectorizer.vocabulary),
-            "vectorizer": {k: v for k, v in module.vectorizer.state().items() if k not in ("vocabulary", "idf", "nb")},
-            "class_names": list(CLASS_NAMES),
-            "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
+        info = _export_info(module, model_config, prefix, step, validation_accuracy, test_accuracy)
         (tmp / ASSETS_EXTRA / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         samples = _verify(tmp, module, config.samples)
         if final.exists():  # another exporter won the race; rename would replace an empty directory

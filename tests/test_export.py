@@ -157,7 +157,13 @@ def test_signatures_follow_the_serving_contract(exported):
     assert spec(explain.outputs) == {
         "probabilities": (float32, [-1, 2]), "label": (string, [-1]), "ngrams": (string, [-1, -1]),
         "contributions": (float32, [-1, -1]), "bias": (float32, [-1])}
-    assert set(signatures) - {"__saved_model_init_op"} == {"serving_default", "classify", "explain"}
+    monitor = signatures["monitor"]
+    assert monitor.method_name == "tensorflow/serving/predict"
+    assert spec(monitor.inputs) == {"text": (string, [-1])}
+    int64 = 9  # DT_INT64
+    assert spec(monitor.outputs) == {**spec(predict.outputs), "words": (int64, [-1]), "ngrams": (int64, [-1]),
+                                     "known_ngrams": (int64, [-1])}
+    assert set(signatures) - {"__saved_model_init_op"} == {"serving_default", "classify", "explain", "monitor"}
 
 
 # -- explanations ----------------------------------------------------------------------------------

@@ -47,11 +47,13 @@ from common.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     MODEL_FILE,
+    SELECTION_DIR,
     TEST_FILE,
     atomic_write_json,
     clean_leftovers,
     read_best,
     read_test,
+    write_held_out,
 )
 from common.vectorizer import (
     VOCABULARY_FILE,
@@ -68,10 +70,6 @@ from train.report import Report, progress_bar
 from train.state import TrainProgress, TrainState, to_host
 
 log = logging.getLogger(__name__)
-
-SELECTION_DIR = "selection"
-"""Inside a run directory trained with --refit: the run that chose the number of epochs."""
-
 
 class TrainingError(RuntimeError):
     """A run that cannot start or continue; the message says which flag or file to fix."""
@@ -134,6 +132,8 @@ def _train_run(config: TrainConfig, mesh: dtensor.Mesh, test: bool = True) -> Tr
     run_dir.mkdir(parents=True, exist_ok=True)  # only now: bad data or flags leave no empty run directory
     chief = config.client_id == 0
     vectorizer, model_config = _prepare_vocabulary(config, run_dir, splits.train, resuming, mesh, chief)
+    if chief and splits.validation is not None:
+        write_held_out(run_dir, splits.validation.texts, splits.validation.labels)
     meshlib.check_divisible(mesh, batch_size=config.batch_size, max_tokens=model_config.max_tokens,
                             hidden=config.hidden)
     state = TrainState(model_config, mesh, config)
