@@ -151,6 +151,12 @@ class ServeConfig:
                                   flag="--drain-delay", metavar="SECONDS", group="drain and logs")
     drain_timeout_s: float = option(10.0, "after the ports close, seconds to finish requests already received",
                                     flag="--drain-timeout", metavar="SECONDS")
+    monitoring: bool = option(True, "drift monitoring: compare the reviews each version answers with the "
+                              "held-out reviews its export describes (assets.extra/drift_baseline.json); "
+                              "--no-monitoring turns it off", group="monitoring")
+    monitoring_window: int = option(1000, "reviews in the count window of drift monitoring", metavar="REVIEWS")
+    monitoring_window_s: float = option(300.0, "seconds in the time window of drift monitoring",
+                                        flag="--monitoring-seconds", metavar="SECONDS")
     warmup: bool = option(True, "replay assets.extra/tf_serving_warmup_requests before a version goes live")
     access_log: bool = option(False, "log one line per request")
     log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
@@ -179,13 +185,14 @@ class ServeConfig:
             raise ValueError(f"--workers {self.workers}: must be 0 (one per CPU) or more")
         for name in ("max_batch_size", "max_queued_rows", "num_batch_threads", "max_body_bytes",
                      "max_rows_per_request", "max_text_bytes", "max_connections", "max_header_bytes",
-                     "grpc_max_header_bytes"):
+                     "grpc_max_header_bytes", "monitoring_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be at least 1")
         for name in ("batch_timeout_s", "poll_interval_s", "drain_delay_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must not be negative")
-        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s"):
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",
+                     "monitoring_window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: must be positive")
         if self.overload_status not in (429, 503):

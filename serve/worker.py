@@ -67,7 +67,8 @@ class _Worker:
         sources = (saved_models(peer_dir) if several else None) or config_sources(config)
         self.core = ServingCore(config, sources)
         if several:
-            self.core.peers = Peers(peer_dir, index, config.workers, self.core.metrics.render, self.core.apply_sources)
+            self.core.peers = Peers(peer_dir, index, config.workers, self.core.metrics.render, self.core.apply_sources,
+                                    self.core.monitoring_windows)
         self.rest_host = ConnectionHost("REST", PortLimits.of(config),
                                         report=functools.partial(self.core.metrics.connection_event, "rest"))
         self.rest = RestServer(create_app(config, self.core), self.rest_host)

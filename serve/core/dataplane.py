@@ -33,6 +33,7 @@ from serve.core.loaded_model import LoadedModel, Signature, TensorInfo
 from serve.core.metrics import Metrics, merge_worker_metrics
 from serve.core.model_config_file import ModelConfigError, check_roots, model_roots
 from serve.core.model_versions import ModelSource, ModelVersions, VersionStatus
+from serve.core.monitor import DriftCollector, VersionMonitor, describe
 from serve.core.peers import Peers
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class ServingCore:
         """Where reloaded models may come from (resolved)."""
         self.auth = authorizer_for(config)
         """Who may call what (--auth-token-file); every edge of this worker asks it."""
+        self.metrics.registry.register(DriftCollector(self._monitors))
 
     def _add(self, source: ModelSource) -> None:
         self.models[source.name] = ModelVersions(source, self.config, on_change=self._on_model_change)
@@ -251,6 +253,42 @@ class ServingCore:
         if label is not None:
             version = versions.label_version(label)
         return versions.status(version)
+
+    # -- drift monitoring --------------------------------------------------------------------
+
+    def _live_models(self, name: str) -> list[LoadedModel]:
+        registry = self.models[name]
+        live = []
+        for version in registry.live_versions:
+            with contextlib.suppress(NotFound):  # unloaded meanwhile
+                live.append(registry.get(version))
+        return live
+
+    def _monitors(self) -> list[tuple[str, int, VersionMonitor]]:
+        return [(name, model.version, model.monitor) for name in list(self.models)
+                for model in self._live_models(name) if model.monitor is not None]
+
+    def monitoring_windows(self, name: str) -> dict:
+        """This worker's drift windows of model `name`'s monitored live versions, by version."""
+        if name not in self.models:
+            return {}
+        return {str(m.version): m.monitor.counts() for m in self._live_models(name) if m.monitor is not None}
+
+    async def monitoring(self, name: str, version: int | None = None, label: str | None = None) -> dict:
+        """Drift monitoring of model `name`: one version (by number or label), or every live one,
+        with every worker's windows summed (`serve.core.monitor.describe`)."""
+        models = [self.model(name, version, label)] if version is not None or label is not None else (
+            self._live_models(name) if name in self.models else [self.model(name)])
+        if self.peers is None:
+            by_worker = {0: self.monitoring_windows(name)}
+        else:
+            by_worker = await self.peers.monitoring_of_all(name)
+        config = self.config
+        return {"model": name, "versions": [
+            describe(m.version, m.monitoring, m.monitor.baseline if m.monitor else None,
+                     {w: windows.get(str(m.version)) for w, windows in by_worker.items()},
+                     config.monitoring_window, config.monitoring_window_s)
+            for m in sorted(models, key=lambda m: -m.version)]}
 
     # -- requests ----------------------------------------------------------------------------
 

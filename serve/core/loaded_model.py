@@ -12,8 +12,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from common.tf_serving import CLASSIFY_METHOD, WARMUP_FILE
+from common.drift import BASELINE_FILE, COUNT_OUTPUTS, MONITOR_SIGNATURE, Baseline, BaselineError
+from common.tf_serving import ASSETS_EXTRA, CLASSIFY_METHOD, DEFAULT_SIGNATURE, WARMUP_FILE
 from serve.core.errors import InvalidArgument, NotFound
+from serve.core.monitor import VersionMonitor
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,9 @@ class LoadError(Exception):
 class LoadedModel:
     """One loaded SavedModel version; `runner(name)` gives the batchable call of a signature."""
 
-    def __init__(self, name: str, version: int, path: Path) -> None:
+    def __init__(self, name: str, version: int, path: Path, monitoring: tuple[int, float] | None = None) -> None:
+        """`monitoring`: (window reviews, window seconds) to monitor the version's drift when its
+        export has a baseline; None: not monitored."""
         import tensorflow as tf
         from google.protobuf import json_format
         from tensorflow.core.protobuf import saved_model_pb2
@@ -90,6 +94,37 @@ class LoadedModel:
         self._runners = {name: _SignatureRunner(self._functions[name], _mergeable(self.signatures[name]),
                                                 tuple(self.signatures[name].outputs))
                          for name in self._functions}
+        self.monitor: VersionMonitor | None = None
+        self.monitoring = "off (--no-monitoring)"
+        """Whether the version is monitored, or why not, in words."""
+        if monitoring is not None:
+            self._start_monitoring(*monitoring)
+
+    def _start_monitoring(self, window_reviews: int, window_seconds: float) -> None:
+        """Serve serving_default through the monitor signature (the same answers, and what the
+        drift statistics need) when the export has one and a baseline."""
+        baseline_path = self.path / ASSETS_EXTRA / BASELINE_FILE
+        if MONITOR_SIGNATURE not in self._runners or not baseline_path.is_file():
+            self.monitoring = "off: its export has no drift baseline (exported by an earlier release, or " \
+                              "trained without validation reviews)"
+            log.info("model %s version %d is not monitored: %s", self.name, self.version, self.monitoring[5:])
+            return
+        try:
+            baseline = Baseline.load(baseline_path)
+        except BaselineError as exc:
+            self.monitoring = f"off: its drift baseline is unusable ({exc})"
+            log.warning("model %s version %d is not monitored: %s", self.name, self.version, self.monitoring[5:])
+            return
+        default = self.signatures.get(DEFAULT_SIGNATURE)
+        monitor = self.signatures[MONITOR_SIGNATURE]
+        if default is None or not set(default.outputs) <= set(monitor.outputs) or \
+                not set(COUNT_OUTPUTS) <= set(monitor.outputs):
+            self.monitoring = "off: its monitor signature does not give serving_default's outputs"
+            log.warning("model %s version %d is not monitored: %s", self.name, self.version, self.monitoring[5:])
+            return
+        self.monitor = VersionMonitor(baseline, window_reviews, window_seconds)
+        self._monitored = _MonitoredRunner(self._runners[MONITOR_SIGNATURE], tuple(default.outputs), self.monitor)
+        self.monitoring = "on"
 
     def signature(self, name: str) -> Signature:
         try:
@@ -99,6 +134,8 @@ class LoadedModel:
 
     def runner(self, name: str) -> Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]:
         self.signature(name)
+        if name == DEFAULT_SIGNATURE and self.monitor is not None:
+            return self._monitored
         return self._runners[name]
 
     def signature_for_method(self, method: str, requested: str = "") -> Signature:
@@ -135,9 +172,11 @@ class LoadedModel:
                     calls += 1
         default = self.signatures.get("serving_default")
         if default is not None and list(default.inputs) == ["text"]:
+            names = [DEFAULT_SIGNATURE] + ([MONITOR_SIGNATURE] if self.monitor is not None else [])
             for rows in sorted({1, max_batch_size}):
-                self._runners["serving_default"]({"text": np.array([b"warm up"] * rows, dtype=object)})
-                calls += 1
+                for name in names:  # not through the monitored runner: warm-up is not traffic
+                    self._runners[name]({"text": np.array([b"warm up"] * rows, dtype=object)})
+                    calls += 1
         return calls
 
     def _warmup_inputs(self, record: bytes) -> tuple[str | None, dict[str, np.ndarray]]:
@@ -192,6 +231,29 @@ class _SignatureRunner:
         if self._outputs and len(outputs) == len(self._outputs):
             return {k: outputs[k].numpy() for k in self._outputs}
         return {k: v.numpy() for k, v in outputs.items()}
+
+
+class _MonitoredRunner:
+    """serving_default's call made through the monitor signature: clients get serving_default's
+    outputs (the same ops on the same inputs, checked bit for bit by export), the version's
+    monitor gets the rest. A monitor that fails is logged once and never fails the answer."""
+
+    __slots__ = ("_runner", "_outputs", "_monitor", "mergeable", "_failed")
+
+    def __init__(self, runner: _SignatureRunner, outputs: tuple[str, ...], monitor: VersionMonitor) -> None:
+        self._runner, self._outputs, self._monitor = runner, outputs, monitor
+        self.mergeable = runner.mergeable
+        self._failed = False
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = self._runner(inputs)
+        try:
+            self._monitor.observe(outputs)
+        except Exception:  # noqa: BLE001 - monitoring must never cost an answer
+            if not self._failed:
+                self._failed = True
+                log.exception("drift monitoring failed; answers are unaffected")
+        return {name: outputs[name] for name in self._outputs}
 
 
 def _flat_inputs(fn) -> list[tuple[str, Any]] | None:  # noqa: ANN001 - a ConcreteFunction

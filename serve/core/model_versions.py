@@ -326,7 +326,9 @@ class ModelVersions:
         log.info("loading model %s version %d from %s", self.name, version, path)
         start = time.perf_counter()
         try:
-            model = LoadedModel(self.name, version, path)
+            monitoring = ((self.config.monitoring_window, self.config.monitoring_window_s)
+                          if self.config.monitoring else None)
+            model = LoadedModel(self.name, version, path, monitoring)
             calls = model.warm_up(self.config.max_batch_size) if self.config.warmup else 0
         except Exception as exc:  # noqa: BLE001 - a bad version must not stop the server
             self._record_failure(version, path, exc)

@@ -29,7 +29,7 @@ METRICS_TIMEOUT_S = 1.0
 """How long a scrape waits for a sibling worker's metrics before leaving them out."""
 APPLY_TIMEOUT_S = 60.0
 """How long a reload waits for a sibling to confirm it applied the new models."""
-_PING, _METRICS, _APPLY = b"P", b"M", b"C"
+_PING, _METRICS, _APPLY, _MONITORING = b"P", b"M", b"C", b"D"
 SAVED_MODELS = "models.json"
 
 
@@ -72,10 +72,12 @@ class Peers:
     """This worker's side of the channel: it answers its siblings and asks them."""
 
     def __init__(self, directory: str, index: int, workers: int, metrics: Callable[[], bytes],
-                 apply: Callable[[list[ModelSource]], Awaitable[None]]) -> None:
-        """`metrics()`: this worker's exposition; `apply(sources)`: serve these models from now on."""
+                 apply: Callable[[list[ModelSource]], Awaitable[None]],
+                 monitoring: Callable[[str], dict] | None = None) -> None:
+        """`metrics()`: this worker's exposition; `apply(sources)`: serve these models from now on;
+        `monitoring(model)`: this worker's drift windows of that model's versions (plain JSON)."""
         self.directory, self.index, self.workers = directory, index, workers
-        self._metrics, self._apply = metrics, apply
+        self._metrics, self._apply, self._monitoring = metrics, apply, monitoring
         self._server: asyncio.AbstractServer | None = None
 
     def _path(self, index: int) -> str:
@@ -101,6 +103,8 @@ class Peers:
             kind, payload = request[:1], request[1:]
             if kind == _METRICS:
                 writer.write(self._metrics())
+            elif kind == _MONITORING and self._monitoring is not None:
+                writer.write(json.dumps(self._monitoring(payload.decode())).encode())
             elif kind == _APPLY:
                 await self._apply(_decode(payload))
                 writer.write(b"ok")
@@ -143,6 +147,21 @@ class Peers:
         except (OSError, asyncio.TimeoutError) as exc:
             log.debug("metrics of worker %d left out of this scrape: %s", index, exc)
             return index, None
+
+    async def monitoring_of_all(self, model: str) -> dict[int, dict]:
+        """Every worker's drift windows of `model` that answer within METRICS_TIMEOUT_S, by worker."""
+        windows = {self.index: self._monitoring(model) if self._monitoring else {}}
+
+        async def fetch(index: int) -> tuple[int, dict | None]:
+            try:
+                return index, json.loads(await self._ask(index, _MONITORING, model.encode(), METRICS_TIMEOUT_S))
+            except (OSError, ValueError, asyncio.TimeoutError) as exc:
+                log.debug("drift windows of worker %d left out: %s", index, exc)
+                return index, None
+
+        fetched = await asyncio.gather(*(fetch(i) for i in self._siblings()))
+        windows.update((i, w) for i, w in fetched if isinstance(w, dict))
+        return windows
 
     # -- models ------------------------------------------------------------------------------------
 

@@ -85,6 +85,10 @@ def _v1_model_paths(prefix: str, parameters: list, schemas: dict) -> dict[str, A
         f"{prefix}/metadata": {"get": {
             "summary": "Signature metadata (TF Serving GetModelMetadata)", "parameters": parameters,
             "responses": {"200": _json_ref("ModelMetadata"), **_errors(400, 404, 503)}}},
+        f"{prefix}/monitoring": {"get": {
+            "summary": "Drift monitoring: the served reviews' statistics in rolling windows against the held-out "
+                       "reviews the export describes, every worker's windows summed (not in TF Serving)",
+            "parameters": parameters, "responses": {"200": _json_ref("Monitoring"), **_errors(400, 404, 503)}}},
         f"{prefix}:predict": {"post": _post("Predict (TF Serving REST predict; row or columnar format)",
                                             parameters, "PredictRequest", "PredictResponse")},
     }
@@ -259,6 +263,27 @@ _RESPONSES: dict[str, Any] = {
             "name": {"type": "string"}, "signature_name": {"type": "string"}, "version": {"type": "string"}}},
         "metadata": {"type": "object", "properties": {"signature_def": {"type": "object", "properties": {
             "signature_def": {"type": "object", "additionalProperties": {"type": "object"}}}}}},
+    }},
+    "Monitoring": {"type": "object", "required": ["model", "versions"], "properties": {
+        "model": {"type": "string"},
+        "versions": {"type": "array", "items": {"type": "object", "required": ["version", "monitoring"], "properties": {
+            "version": {"type": "string"},
+            "monitoring": {"type": "string", "description": "on, or why not (off: ...)"},
+            "baseline": {"type": "object", "description": "the held-out reviews: shares, bins' edges, bounds"},
+            "reviews_total": {"type": "integer"},
+            "windows": {"type": "object", "description": "reviews: the last N reviews; seconds: the last T seconds",
+                        "additionalProperties": {"type": "object", "properties": {
+                            "reviews": {"type": "integer"},
+                            "verdict": {"enum": ["warming_up", "ok", "drifting"]},
+                            "summary": {"type": "string"},
+                            "unlike_training_share": {"type": ["number", "null"]},
+                            "low_confidence_share": {"type": ["number", "null"]},
+                            "statistics": {"type": "object", "additionalProperties": {"type": "object", "properties": {
+                                "psi": {"type": "number"},
+                                "shares": {"type": "array", "items": {"type": "number"}},
+                                "baseline_shares": {"type": "array", "items": {"type": "number"}}}}}}}},
+            "workers": {"type": "array", "items": {"type": "object"}, "description": "each worker's own scores"},
+        }}},
     }},
     "PredictResponse": {"type": "object", "properties": {
         "predictions": {"type": "array", "items": {"type": "object", "properties": {

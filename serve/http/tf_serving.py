@@ -6,7 +6,10 @@ encode its answer; the core validates and raises neutral errors that `serve.http
 
 from __future__ import annotations
 
+import urllib.parse
+
 from common.tf_serving import REGRESS_METHOD
+from common.versions import version_number
 from serve.config import ServeConfig
 from serve.core.dataplane import ServingCore, explain_signature
 from serve.core.errors import InvalidArgument, ServingError
@@ -70,6 +73,20 @@ class RestApi:
             "metadata": {"signature_def": {"signature_def": model.signature_def_json}},
         })
 
+    async def monitoring(self, request: Request) -> Response:
+        """Drift monitoring of a model's live versions, or of one (`serve.core.monitor.describe`)."""
+        match = request.match
+        name = urllib.parse.unquote(match["name"])
+        version = label = None
+        kind = (match["kind"] or "").lower()
+        if kind == "versions":
+            version = version_number(match["which"])
+            if version is None:
+                raise InvalidArgument(f"Malformed request: version {match['which']} is not a version number")
+        elif kind == "labels":
+            label = urllib.parse.unquote(match["which"])
+        return json_response(await self.core.monitoring(name, version, label))
+
     # -- friendly API ------------------------------------------------------------------------
 
     async def sentiment(self, request: Request) -> Response:
@@ -124,12 +141,15 @@ MODEL_VERB = r"(?i)/v1/models/[^/:]+(?:/(?:versions|labels)/[^/:]+)?:[^/]*"
 """`:predict`, `:classify`, `:regress` (POST only); other verbs are matched here and refused as malformed."""
 MODEL_RESOURCE = r"(?i)/v1/models/[^/:]+(?:/(?:versions|labels)/[^/:]+)?(?:/metadata)?"
 """Status and metadata (GET only)."""
+MONITORING = r"(?i)/v1/models/(?P<name>[^/:]+)(?:/(?P<kind>versions|labels)/(?P<which>[^/:]+))?/monitoring"
+"""Drift monitoring (GET only; not in TF Serving)."""
 
 
 def routes(api: RestApi) -> list[Route]:
     """TF Serving's REST API, the friendly API, health, metrics and OpenAPI."""
     return [
         Route.of("list_models", "GET", r"(?i)/v1/models/?", api.list_models),
+        Route.of("monitoring", "GET", MONITORING, api.monitoring, raw=True),
         Route.of("models", "POST", MODEL_VERB, api.models, raw=True),
         Route.of("models", "GET", MODEL_RESOURCE, api.models, raw=True),
         Route.of("sentiment", "POST", r"(?i)/v1/sentiment", api.sentiment),

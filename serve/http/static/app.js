@@ -1,6 +1,6 @@
 // The review page: POST the lines to v1/sentiment, render label + confidence bars, then ask
 // v1/models/NAME:explain why and highlight each review's words by their contribution; show the
-// model version (v1/models/NAME) and poll readyz. URLs are relative so a path-prefix proxy works too.
+// model version (v1/models/NAME) and poll readyz and the drift monitoring (v1/models/NAME/monitoring). URLs are relative so a path-prefix proxy works too.
 "use strict";
 
 const POLL_MS = 5000;
@@ -54,6 +54,84 @@ async function refreshModel() {
   }
 }
 
+// -- drift monitoring --------------------------------------------------------------------------------
+
+const STATISTICS = {
+  words: "Length in words",
+  unknown_ngram_share: "Unknown n-grams (share of a review's)",
+  positive_probability: "Predicted probability of positive",
+};
+const percent = (share) => (share === null || share === undefined ? "–" : `${Math.round(share * 100)}%`);
+
+function element(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+// One statistic: each bin's share in the window beside the held-out reviews', and its PSI.
+function histogram(name, statistic) {
+  const figure = element("figure", "histogram");
+  figure.dataset.statistic = name;
+  const bins = element("div", "bins");
+  const highest = Math.max(...statistic.shares, ...statistic.baseline_shares, 1e-9);
+  statistic.shares.forEach((share, i) => {
+    const pair = element("span", "pair");
+    for (const [kind, value] of [["base", statistic.baseline_shares[i]], ["now", share]]) {
+      const bar = element("span", `bar-${kind}`);
+      bar.style.setProperty("--share", (value / highest).toFixed(3));
+      bar.title = `${kind === "now" ? "served" : "held-out"}: ${percent(value)}`;
+      pair.append(bar);
+    }
+    bins.append(pair);
+  });
+  bins.setAttribute("aria-hidden", "true");
+  const shifted = statistic.psi > 0.25;
+  figure.append(bins, element("figcaption", shifted ? "shifted" : "", `${STATISTICS[name]} · PSI ${statistic.psi.toFixed(2)}`));
+  return figure;
+}
+
+function renderMonitoredVersion(version) {
+  const card = element("article", "monitor");
+  card.dataset.version = version.version;
+  card.append(element("h3", "", `Version ${version.version}`));
+  const line = element("p", "drift-line");
+  card.append(line);
+  if (version.monitoring !== "on") {
+    line.dataset.verdict = "off";
+    line.textContent = `Not monitored: ${version.monitoring.replace(/^off: /, "")}`;
+    return card;
+  }
+  const window = version.windows && version.windows.reviews;
+  if (!window || !window.reviews) {
+    line.dataset.verdict = "warming_up";
+    line.textContent = "No reviews answered yet.";
+    return card;
+  }
+  line.dataset.verdict = window.verdict;
+  line.textContent = window.verdict === "ok" ? "Looks like training data."
+    : window.summary.charAt(0).toUpperCase() + window.summary.slice(1) + ".";
+  card.append(element("p", "meta",
+    `${window.reviews} of the last ${window.size} reviews · ${percent(window.unlike_training_share)} unlike training ` +
+    `(held-out: ${percent(version.baseline.unlike_training_share)}) · ${percent(window.low_confidence_share)} ` +
+    `low-confidence answers (held-out: ${percent(version.baseline.low_confidence_share)})`));
+  const charts = element("div", "histograms");
+  for (const name of Object.keys(STATISTICS)) charts.append(histogram(name, window.statistics[name]));
+  card.append(charts);
+  return card;
+}
+
+async function refreshMonitoring() {
+  try {
+    const { body } = await api(`v1/models/${encodeURIComponent(MODEL)}/monitoring`);
+    $("monitoring-versions").replaceChildren(...body.versions.map(renderMonitoredVersion));
+    $("monitoring-status").textContent = "";
+  } catch (err) {
+    $("monitoring-status").textContent = `Monitoring unavailable: ${err.message}`;
+  }
+}
+
 let pollTimer;
 async function pollHealth() {
   clearTimeout(pollTimer);
@@ -61,6 +139,7 @@ async function pollHealth() {
     await api("readyz");
     setHealth("ready", "ready");
     await refreshModel();
+    await refreshMonitoring();
   } catch (err) {
     if (err.unreachable) setHealth("down", "server unreachable");
     else setHealth("not-ready", err.message.replace(/^The server answered \d+: /, ""));
