@@ -24,6 +24,8 @@ instead: one `python -m serve` (defaults) per transport, each measured at c=1, 3
   - `own`:      the server's own machine (serve/http2);
   - `h2`:       python-hyper's `h2` as that machine (bench/h2_machine.py, `pip install h2`);
   - `baseline`: the --baseline checkout's gRPC port.
+With --tls (--monitoring), the same server plaintext and with --tls-cert (with drift monitoring, the
+default, and with --no-monitoring) instead, in the same alternating slices: what each costs.
 Load: `wrk` (Debian package `wrk`; a Python load generator saturates before these servers do), one
 thread, keep-alive connections, one real ~170-word review per request (from ../shared/data/imdb when
 present, else a built-in review of the same length), plus a row of --batch-rows reviews per request.
@@ -46,6 +48,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from results import commit_of, print_table, record  # bench/results.py, beside this script
 
@@ -479,16 +482,15 @@ def self_signed(work: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def compare_tls(a: argparse.Namespace, serve_cmd: list[str], env: dict, work: Path, script: Path,
-                name: str, text: str) -> None:
-    """The --tls run: the same server plaintext and with --tls-cert (both ports), measured in
-    alternating slices: what TLS costs on REST (wrk) and gRPC (h2load), at c=1 and c=32."""
-    for tool in ("h2load", "openssl"):
+def measure_variants(serve_cmd: list[str], env: dict, work: Path, script: Path, name: str, text: str,
+                     variants: dict[str, list[str]], schemes: dict[str, str], levels: tuple[int, ...], seconds: float,
+                     rounds: int, check: Callable[[dict[str, int]], None] | None = None) -> tuple[list, str, float]:
+    """One server per variant (its extra flags), REST (wrk) and gRPC (h2load) at `levels`, in
+    alternating slices (`transport_rows`); `check(ports)` runs before the servers stop. Returns
+    (rows, start time, load average before)."""
+    for tool in ("h2load",):
         if shutil.which(tool) is None:
-            raise SystemExit(f"{tool} not found: install it from the OS packages (nghttp2-client, openssl)")
-    cert, key = self_signed(work)
-    variants = {"plaintext": [], "tls": ["--tls-cert", str(cert), "--tls-key", str(key)]}
-    schemes = {"plaintext": "http", "tls": "https"}
+            raise SystemExit(f"{tool} not found: install it from the OS packages (nghttp2-client)")
     ports = {}
     for v in variants:
         ports[v] = free_port()
@@ -500,17 +502,33 @@ def compare_tls(a: argparse.Namespace, serve_cmd: list[str], env: dict, work: Pa
     started, load_before = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
     try:
         for v, proc in procs.items():
-            wait_ready(ports[v], proc, scheme=schemes[v])
+            wait_ready(ports[v], proc, scheme=schemes.get(v, "http"))
         frames = grpc_frames(work, text, name)
-        for v in variants:  # the same warm-up for both
-            run_wrk(ports[v], f"/v1/models/{name}:predict", work / "one.json", script, 32, 2, scheme=schemes[v])
-            run_h2load(f"{schemes[v]}://127.0.0.1:{ports[v] + 1}{PREDICT}", frames[PREDICT], 32, 2)
-        rows = transport_rows(ports, name, work, script, text, a.duration, max(1, a.rounds), schemes, (1, 32))
+        for v in variants:  # the same warm-up for every variant
+            scheme = schemes.get(v, "http")
+            run_wrk(ports[v], f"/v1/models/{name}:predict", work / "one.json", script, 32, 2, scheme=scheme)
+            run_h2load(f"{scheme}://127.0.0.1:{ports[v] + 1}{PREDICT}", frames[PREDICT], 32, 2)
+        rows = transport_rows(ports, name, work, script, text, seconds, rounds, schemes, levels)
+        if check is not None:
+            check(ports)
     finally:
         for proc in procs.values():
             proc.terminate()
         for proc in procs.values():
             proc.wait(60)
+    return rows, started, load_before
+
+
+def compare_tls(a: argparse.Namespace, serve_cmd: list[str], env: dict, work: Path, script: Path,
+                name: str, text: str) -> None:
+    """The --tls run: the same server plaintext and with --tls-cert (both ports), measured in
+    alternating slices: what TLS costs on REST (wrk) and gRPC (h2load), at c=1 and c=32."""
+    if shutil.which("openssl") is None:
+        raise SystemExit("openssl not found: install it from the OS packages (openssl)")
+    cert, key = self_signed(work)
+    variants = {"plaintext": [], "tls": ["--tls-cert", str(cert), "--tls-key", str(key)]}
+    rows, started, load_before = measure_variants(serve_cmd, env, work, script, name, text, variants,
+                                                  {"tls": "https"}, (1, 32), a.duration, max(1, a.rounds))
     print(f"\nTLS, {started}, {os.cpu_count()} CPU cores shared by the load generators and 2 servers (load "
           f"average {load_before:.1f} before); python -m serve defaults, one with --tls-cert (ECDSA P-256; wrk "
           f"and h2load keep their connections, so this is TLS's cost per request, not per handshake); one "
@@ -520,6 +538,33 @@ def compare_tls(a: argparse.Namespace, serve_cmd: list[str], env: dict, work: Pa
     record("tls", transport_columns("plaintext"), rows, settings={
         "certificate": "ECDSA P-256, self-signed", "connections": "kept (TLS's cost per request, not per handshake)",
         "seconds per level": a.duration, "rounds": max(1, a.rounds), "request": "one review"})
+
+
+def compare_monitoring(a: argparse.Namespace, serve_cmd: list[str], env: dict, work: Path, script: Path,
+                       name: str, text: str) -> None:
+    """The --monitoring run: the same server with drift monitoring (the default) and with
+    --no-monitoring, in alternating slices: what monitoring costs on REST and gRPC at c=1, 32, 256."""
+    monitored = {}
+
+    def check(ports: dict[str, int]) -> None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['monitoring']}/v1/models/{name}/monitoring") as r:
+            version = json.loads(r.read())["versions"][0]
+        if version["monitoring"] != "on":
+            raise SystemExit(f"the model is not monitored ({version['monitoring']}): export it with this checkout")
+        monitored.update(version)
+
+    variants = {"--no-monitoring": ["--no-monitoring"], "monitoring": []}
+    rows, started, load_before = measure_variants(serve_cmd, env, work, script, name, text, variants, {},
+                                                  (1, 32, 256), a.duration, max(1, a.rounds), check)
+    print(f"\nDrift monitoring, {started}, {os.cpu_count()} CPU cores shared by the load generators and 2 servers "
+          f"(load average {load_before:.1f} before); python -m serve defaults, one with --no-monitoring; one review "
+          f"per request; {a.duration:g}s per level, protocol and server in {max(1, a.rounds)} alternating slices; "
+          f"the monitored server's last window: {monitored['windows']['reviews']['reviews']} reviews of "
+          f"{monitored['reviews_total']:,} monitored.")
+    print_table(transport_columns("--no-monitoring"), rows)
+    record("monitoring", transport_columns("--no-monitoring"), rows, settings={
+        "seconds per level": a.duration, "rounds": max(1, a.rounds), "request": "one review",
+        "monitoring": "defaults: windows of 1,000 reviews and 300 seconds"})
 
 
 def same_tool_c1(port: int, name: str, rest: Path, frame: Path, seconds: float) -> str:
@@ -606,6 +651,9 @@ def main() -> None:
     p.add_argument("--tls", action="store_true",
                    help="measure what TLS costs instead: the server plaintext and with --tls-cert, REST and gRPC, "
                         "c=1 and 32")
+    p.add_argument("--monitoring", action="store_true",
+                   help="measure what drift monitoring costs instead: the server with it (the default) and with "
+                        "--no-monitoring, REST and gRPC, c=1, 32 and 256")
     p.add_argument("--naive-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -635,9 +683,10 @@ def main() -> None:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     serve_cmd = [sys.executable, "-m", "serve", "--model-dir", a.model_dir, "--host", "127.0.0.1",
                  "--poll-interval", "0", "--log-level", "WARNING", *a.serve_args.split()]
-    if a.grpc_transports or a.tls:
+    if a.grpc_transports or a.tls or a.monitoring:
+        compare = compare_tls if a.tls else compare_monitoring if a.monitoring else compare_grpc_transports
         try:
-            (compare_tls if a.tls else compare_grpc_transports)(a, serve_cmd, env, work, script, name, text)
+            compare(a, serve_cmd, env, work, script, name, text)
         finally:
             tmp.cleanup()
         return

@@ -42,6 +42,8 @@ DESCRIPTIONS = {
     "positive_probability": "predicted probability of the positive class",
     "predicted_class": "predicted class (negative, positive)",
 }
+SHORT_NAMES = {"words": "length", "unknown_ngram_share": "unknown n-grams",
+               "positive_probability": "predicted probability", "predicted_class": "predicted class"}
 LOW_CONFIDENCE = 0.7
 """An answer whose larger class probability is below this is a low-confidence answer."""
 DRIFT_THRESHOLD = 0.25

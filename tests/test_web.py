@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+import requests
 from app_client import AppClient, LoopThread
 from conftest import MODEL_NAME
 from playwright.sync_api import Page, expect
@@ -203,3 +204,51 @@ def test_errors_are_shown_in_words(page, console_errors, tmp_path):
     predict.click()
     expect(results.locator(".label")).to_have_text(["positive"])
     expect(error).to_be_hidden()
+
+
+@pytest.mark.slow
+def test_the_monitoring_panel_shows_the_traffic_beside_the_training_data(browser, model_base, console_errors,
+                                                                        tmp_path):
+    """Traffic like the training data, then product descriptions: the panel's line turns from
+    "looks like training data" to "drifting" (in the warning colour), beside bars of both."""
+    from conftest import copy_model_base
+    from test_monitoring import like_training, product_descriptions, send
+
+    server = ServerProcess(copy_model_base(model_base, tmp_path / MODEL_NAME), "--monitoring-window", "200",
+                           log_path=tmp_path / "serve.log")
+    context = browser.new_context(viewport={"width": 900, "height": 1100})
+    try:
+        page = context.new_page()
+        page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
+        page.on("pageerror", lambda exc: console_errors.append(str(exc)))
+        page.goto(server.url + "/")
+        line = page.locator("#monitoring .monitor[data-version='1'] .drift-line")
+        expect(line).to_have_text("No reviews answered yet.")
+        send(server, like_training(300))
+        page.reload()
+        expect(line).to_have_text("Looks like training data.")
+        charts = page.locator("#monitoring .histogram")
+        expect(charts).to_have_count(3)
+        baseline = requests.get(f"{server.url}/v1/models/{MODEL_NAME}/monitoring", timeout=10).json()
+        edges = baseline["versions"][0]["baseline"]["edges"]
+        for i, name in enumerate(("words", "unknown_ngram_share", "positive_probability")):
+            expect(charts.nth(i).locator(".pair")).to_have_count(len(edges[name]) + 1)
+        _screenshot(page, "web_page_monitoring.png", tmp_path)
+
+        send(server, product_descriptions(300))
+        page.reload()
+        expect(line).to_have_attribute("data-verdict", "drifting")
+        expect(line).to_contain_text(re.compile(r"^Drifting: \d+% of reviews unlike training"))
+        assert page.locator("#monitoring figcaption.shifted").count() >= 2  # length and unknown n-grams
+        from PIL import Image
+
+        line.screenshot(path=tmp_path / "line.png")
+        pixels = np.asarray(Image.open(tmp_path / "line.png").convert("RGB"), dtype=float).reshape(-1, 3)
+        dark = pixels[pixels.sum(axis=1) < 600]  # the text, not the background
+        red, green, blue = dark.mean(axis=0)
+        assert red > green + 30 and red > blue + 30, dark.mean(axis=0)
+        _screenshot(page, "web_page_drifting.png", tmp_path)
+        assert console_errors == []
+    finally:
+        context.close()
+        assert server.stop() == 0, server.log()

@@ -22,7 +22,16 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from common.drift import DESCRIPTIONS, DRIFT_THRESHOLD, LOW_CONFIDENCE, MIN_REVIEWS, STATISTICS, Baseline, review_statistics
+from common.drift import (
+    DESCRIPTIONS,
+    DRIFT_THRESHOLD,
+    LOW_CONFIDENCE,
+    MIN_REVIEWS,
+    SHORT_NAMES,
+    STATISTICS,
+    Baseline,
+    review_statistics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +177,7 @@ class Report:
         elif drifting:
             verdict = "drifting"
             line = (f"drifting: {100 * unlike:.0f}% of reviews unlike training (held-out reviews: "
-                    f"{100 * b.unlike_share:.0f}%); shifted: {', '.join(n.replace('_', ' ') for n in drifting)}")
+                    f"{100 * b.unlike_share:.0f}%); shifted: {', '.join(SHORT_NAMES[n] for n in drifting)}")
         else:
             verdict, line = "ok", (f"looks like training data: {100 * unlike:.0f}% of reviews unlike training "
                                    f"(held-out reviews: {100 * b.unlike_share:.0f}%)")
