@@ -161,24 +161,22 @@ class TfIdf(tf.Module):
     def sparse_and_counts(self, texts: tf.Tensor) -> tuple[tf.SparseTensor, dict[str, tf.Tensor]]:
         """`sparse(texts)` and, per review, what drift monitoring needs of it (int64 [batch] each):
         its words, its n-grams (1..n-grams within the review) and those found in the vocabulary.
-        The n-grams are hashed and looked up once for both."""
+        The n-grams are hashed and looked up once for both, and the counts take a few ops: the
+        server answers predict requests through this (`common.drift.MONITOR_SIGNATURE`)."""
         keys, rows, words = _ngram_keys_and_words(texts, self.settings.ngrams)
-        word_rows = rows[:tf.size(words)]  # the unigrams come first, one per word
         ids = self.table.lookup(keys)
         found = tf.where(ids >= 0)[:, 0]
-        batch = tf.shape(texts, out_type=tf.int64)[0]
+        ids, found_rows = tf.gather(ids, found), tf.gather(rows, found)
+        batch = tf.shape(texts)[0]
+        none = tf.zeros([0], tf.int64)
 
-        def per_review(where: tf.Tensor) -> tf.Tensor:
-            return tf.math.bincount(tf.cast(tf.boolean_mask(rows, where), tf.int32), minlength=tf.cast(batch, tf.int32),
-                                    maxlength=tf.cast(batch, tf.int32), dtype=tf.int64)
+        def per_review(review_of: tf.Tensor) -> tf.Tensor:
+            return tf.raw_ops.Bincount(arr=tf.cast(review_of, tf.int32), size=batch, weights=none)
 
-        counts = {
-            "words": tf.math.bincount(tf.cast(word_rows, tf.int32), minlength=tf.cast(batch, tf.int32),
-                                      maxlength=tf.cast(batch, tf.int32), dtype=tf.int64),
-            "ngrams": per_review(tf.not_equal(keys, tf.constant(_NO_KEY, tf.int64))),
-            "known_ngrams": per_review(ids >= 0),
-        }
-        return self._tfidf(texts, tf.gather(ids, found), tf.gather(rows, found)), counts
+        word_count = per_review(rows[:tf.size(words)])  # the unigrams come first, one per word
+        ngrams = sum(tf.maximum(word_count - k, 0) for k in range(self.settings.ngrams))
+        counts = {"words": word_count, "ngrams": ngrams, "known_ngrams": per_review(found_rows)}
+        return self._tfidf(texts, ids, found_rows), counts
 
     def _tfidf(self, texts: tf.Tensor, ids: tf.Tensor, rows: tf.Tensor) -> tf.SparseTensor:
         width = tf.constant(self.width, tf.int64)

@@ -206,7 +206,7 @@ def describe(version: int, state: str, baseline: Baseline | None, by_worker: Map
     if report is None:
         return out
     out["reviews_total"] = report.reviews("total")
-    out["windows"] = {"reviews": report.window("reviews", size=window_reviews),
+    out["windows"] = {"reviews": report.window("reviews", size=window_reviews * len(present)),
                       "seconds": report.window("seconds", seconds=window_seconds)}
     out["workers"] = []
     for worker, counts in present.items():
