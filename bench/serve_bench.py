@@ -41,6 +41,7 @@ import functools
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -562,9 +563,11 @@ def compare_monitoring(a: argparse.Namespace, serve_cmd: list[str], env: dict, w
           f"the monitored server's last window: {monitored['windows']['reviews']['reviews']} reviews of "
           f"{monitored['reviews_total']:,} monitored.")
     print_table(transport_columns("--no-monitoring"), rows)
-    record("monitoring", transport_columns("--no-monitoring"), rows, settings={
+    # Each --serve-args gets a table of its own (e.g. --workers 1: no kernel spreading connections).
+    table = "_".join(["monitoring", *re.findall(r"[a-z0-9]+", a.serve_args.lower())])
+    record(table, transport_columns("--no-monitoring"), rows, settings={
         "seconds per level": a.duration, "rounds": max(1, a.rounds), "request": "one review",
-        "monitoring": "defaults: windows of 1,000 reviews and 300 seconds"})
+        "server flags": a.serve_args or "defaults", "monitoring": "defaults: windows of 1,000 reviews and 300 seconds"})
 
 
 def same_tool_c1(port: int, name: str, rest: Path, frame: Path, seconds: float) -> str:
