@@ -558,7 +558,8 @@ def compare_monitoring(a: argparse.Namespace, serve_cmd: list[str], env: dict, w
     rows, started, load_before = measure_variants(serve_cmd, env, work, script, name, text, variants, {},
                                                   (1, 32, 256), a.duration, max(1, a.rounds), check)
     print(f"\nDrift monitoring, {started}, {os.cpu_count()} CPU cores shared by the load generators and 2 servers "
-          f"(load average {load_before:.1f} before); python -m serve defaults, one with --no-monitoring; one review "
+          f"(load average {load_before:.1f} before); python -m serve {a.serve_args or 'defaults'}, one with "
+          f"--no-monitoring; one review "
           f"per request; {a.duration:g}s per level, protocol and server in {max(1, a.rounds)} alternating slices; "
           f"the monitored server's last window: {monitored['windows']['reviews']['reviews']} reviews of "
           f"{monitored['reviews_total']:,} monitored.")
