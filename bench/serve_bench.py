@@ -51,6 +51,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from serve.config import ServeConfig
+
 from results import commit_of, print_table, record  # bench/results.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -564,11 +566,13 @@ def compare_monitoring(a: argparse.Namespace, serve_cmd: list[str], env: dict, w
           f"the monitored server's last window: {monitored['windows']['reviews']['reviews']} reviews of "
           f"{monitored['reviews_total']:,} monitored.")
     print_table(transport_columns("--no-monitoring"), rows)
+    defaults = ServeConfig()
     # Each --serve-args gets a table of its own (e.g. --workers 1: no kernel spreading connections).
     table = "_".join(["monitoring", *re.findall(r"[a-z0-9]+", a.serve_args.lower())])
     record(table, transport_columns("--no-monitoring"), rows, settings={
         "seconds per level": a.duration, "rounds": max(1, a.rounds), "request": "one review",
-        "server flags": a.serve_args or "defaults", "monitoring": "defaults: windows of 1,000 reviews and 300 seconds"})
+        "server flags": a.serve_args or "defaults", "monitoring": f"defaults: windows of {defaults.monitoring_window:,} reviews a worker and "
+                      f"{defaults.monitoring_window_s:g} seconds"})
 
 
 def same_tool_c1(port: int, name: str, rest: Path, frame: Path, seconds: float) -> str:

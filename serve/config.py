@@ -154,7 +154,7 @@ class ServeConfig:
     monitoring: bool = option(True, "drift monitoring: compare the reviews each version answers with the "
                               "held-out reviews its export describes (assets.extra/drift_baseline.json); "
                               "--no-monitoring turns it off", group="monitoring")
-    monitoring_window: int = option(1000, "reviews in the count window of drift monitoring", metavar="REVIEWS")
+    monitoring_window: int = option(500, "reviews in the count window of drift monitoring, per worker", metavar="REVIEWS")
     monitoring_window_s: float = option(300.0, "seconds in the time window of drift monitoring",
                                         flag="--monitoring-seconds", metavar="SECONDS")
     warmup: bool = option(True, "replay assets.extra/tf_serving_warmup_requests before a version goes live")
