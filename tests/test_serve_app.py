@@ -95,6 +95,9 @@ def test_model_status(client, path, expected):
     (f"/v1/models/{MODEL_NAME}/versions/7/metadata", 404, f"Servable not found for request: Specific({MODEL_NAME}, 7)"),
     (f"/v1/models/{MODEL_NAME}:predict", 405, f"Method Not Allowed: GET /v1/models/{MODEL_NAME}:predict (allowed: POST)"),
     ("/v2/nothing", 404, None),
+    ("/v1/models/nope/monitoring", 404, "Servable not found for request: Latest(nope)"),
+    (f"/v1/models/{MODEL_NAME}/versions/7/monitoring", 404, f"Servable not found for request: Specific({MODEL_NAME}, 7)"),
+    (f"/v1/models/{MODEL_NAME}/versions/x/monitoring", 400, "Malformed request: version x is not a version number"),
 ])
 def test_get_errors(client, path, status, error):
     r = client.get(path)
@@ -152,6 +155,20 @@ def test_versions_and_labels_route_to_their_model(client):
     assert predict(client, {"instances": TEXTS}, f"/v1/models/{MODEL_NAME}/labels/stable:predict").json == v1
     assert predict(client, {"instances": TEXTS}, f"/v1/models/{MODEL_NAME}:predict").json == v2
     assert predict(client, {"instances": TEXTS}, f"/V1/Models/{MODEL_NAME}/Versions/1:PREDICT").json == v1
+
+
+def test_monitoring_counts_the_reviews_each_version_answered(client):
+    def totals():
+        answer = client.get(f"/v1/models/{MODEL_NAME}/monitoring")
+        assert answer.status_code == 200
+        return {v["version"]: v["reviews_total"] for v in answer.json["versions"]}
+
+    before = totals()
+    assert predict(client, {"instances": ["a fine film", "dull", "ok"]},
+                   f"/v1/models/{MODEL_NAME}/labels/canary:predict").status_code == 200
+    assert totals() == {"2": before["2"] + 3, "1": before["1"]}
+    one = client.get(f"/v1/models/{MODEL_NAME}/labels/canary/monitoring").json["versions"]
+    assert [v["version"] for v in one] == ["2"] and one[0]["monitoring"] == "on"
 
 
 def test_classify_matches_predict(client):

@@ -104,27 +104,26 @@ class LoadedModel:
         """Serve serving_default through the monitor signature (the same answers, and what the
         drift statistics need) when the export has one and a baseline."""
         baseline_path = self.path / ASSETS_EXTRA / BASELINE_FILE
-        if MONITOR_SIGNATURE not in self._runners or not baseline_path.is_file():
-            self.monitoring = "off: its export has no drift baseline (exported by an earlier release, or " \
-                              "trained without validation reviews)"
-            log.info("model %s version %d is not monitored: %s", self.name, self.version, self.monitoring[5:])
-            return
+        if MONITOR_SIGNATURE not in self._runners:
+            return self._unmonitored("its export has no monitor signature (exported by an earlier release)")
+        if not baseline_path.is_file():
+            return self._unmonitored("its export has no drift baseline (exported by an earlier release, or trained "
+                                     "without validation reviews)")
         try:
             baseline = Baseline.load(baseline_path)
         except BaselineError as exc:
-            self.monitoring = f"off: its drift baseline is unusable ({exc})"
-            log.warning("model %s version %d is not monitored: %s", self.name, self.version, self.monitoring[5:])
-            return
+            return self._unmonitored(f"its drift baseline is unusable ({exc})", logging.WARNING)
         default = self.signatures.get(DEFAULT_SIGNATURE)
-        monitor = self.signatures[MONITOR_SIGNATURE]
-        if default is None or not set(default.outputs) <= set(monitor.outputs) or \
-                not set(COUNT_OUTPUTS) <= set(monitor.outputs):
-            self.monitoring = "off: its monitor signature does not give serving_default's outputs"
-            log.warning("model %s version %d is not monitored: %s", self.name, self.version, self.monitoring[5:])
-            return
+        outputs = set(self.signatures[MONITOR_SIGNATURE].outputs)
+        if default is None or not {*default.outputs, *COUNT_OUTPUTS} <= outputs:
+            return self._unmonitored("its monitor signature does not give serving_default's outputs", logging.WARNING)
         self.monitor = VersionMonitor(baseline, window_reviews, window_seconds)
         self._monitored = _MonitoredRunner(self._runners[MONITOR_SIGNATURE], tuple(default.outputs), self.monitor)
         self.monitoring = "on"
+
+    def _unmonitored(self, why: str, level: int = logging.INFO) -> None:
+        self.monitoring = f"off: {why}"
+        log.log(level, "model %s version %d is not monitored: %s", self.name, self.version, why)
 
     def signature(self, name: str) -> Signature:
         try:
