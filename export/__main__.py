@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
               (("validation", result.validation_accuracy), ("test", result.test_accuracy)) if value is not None]
     print(f"exported version {result.version} to {result.path}")
     print(f"  from {result.checkpoint} (step {result.step}{''.join(', ' + s for s in scores)})")
+    print(f"  drift baseline: {result.drift_baseline}" if result.drift_baseline else
+          "  no drift baseline (the run kept no validation reviews): the server will not monitor this version")
     print()
     print(describe_signatures(result.path))
     print()

@@ -97,6 +97,8 @@ class ExportResult:
     """The test split's accuracy of this checkpoint, when the run measured it (test.json)."""
     samples: list[Prediction]
     """The config's samples as the saved model (loaded back from disk) classifies them."""
+    drift_baseline: str | None = None
+    """Which held-out reviews the drift baseline describes; None when the export has none."""
 
 
 class PlainMLP(tf.Module):
@@ -454,7 +456,8 @@ def export_model(config: ExportConfig) -> ExportResult:
         if created_model_dir and not any(model_dir.iterdir()):
             model_dir.rmdir()
     log.info("exported version %d to %s", version, final)
-    return ExportResult(final, version, prefix, step, validation_accuracy, test_accuracy, samples)
+    return ExportResult(final, version, prefix, step, validation_accuracy, test_accuracy, samples,
+                        baseline.source if baseline else None)
 
 
 def describe_signatures(saved_model_dir: Path) -> str:

@@ -391,7 +391,8 @@ def test_cli_exports_and_prints_signature_and_samples(trained_run, tmp_path):
     assert f"exported version 3 to {base / '3'}" in out
     for line in ("signature_def['serving_default']:", "signature_def['classify']:", "inputs['text'] tensor_info:",
                  "outputs['probabilities'] tensor_info:", "Method name is: tensorflow/serving/predict",
-                 "Method name is: tensorflow/serving/classify", "sample predictions:", "'a brilliant film'"):
+                 "Method name is: tensorflow/serving/classify", "sample predictions:", "'a brilliant film'",
+                 "signature_def['monitor']:", "  drift baseline: 100 of the training run's validation reviews\n"):
         assert line in out
     assert (base / "3" / "saved_model.pb").is_file()
 

@@ -189,6 +189,19 @@ def test_a_refit_run_takes_its_baseline_from_the_selection_run(tmp_path):
     assert baseline.source.startswith("100 of the selection run's validation reviews")
 
 
+@pytest.mark.slow
+def test_a_run_without_validation_reviews_exports_without_a_baseline(tmp_path, caplog):
+    from export import ExportConfig, export_model
+    from train.config import TrainConfig
+    from train.trainer import train
+
+    run = tmp_path / "run"
+    train(TrainConfig(run_dir=str(run), **{**TINY_TRAIN, "validation_fraction": 0.0, "epochs": 1}))
+    result = export_model(ExportConfig(checkpoint_dir=str(run), model_dir=str(tmp_path / "m")))
+    assert result.drift_baseline is None and not (result.path / "assets.extra" / BASELINE_FILE).exists()
+    assert "kept no validation reviews (--validation-fraction 0?)" in caplog.text
+
+
 # -- the server ---------------------------------------------------------------------------------------
 
 def like_training(n: int) -> list[str]:
