@@ -110,7 +110,7 @@ class Baseline:
         bounds = {"words_min": float(np.quantile(words, 0.01)), "words_max": float(np.quantile(words, 0.99)),
                   "unknown_max": float(np.quantile(unknown, 0.99))}
         baseline = cls(edges, shares, reviews, source, float(np.mean(labels)),
-                       float(np.mean(_low_confidence(statistics["positive_probability"]))), bounds, 0.0)
+                       float(np.mean(low_confidence(statistics["positive_probability"]))), bounds, 0.0)
         unlike = float(np.mean(baseline.unlike(statistics)))
         return cls(edges, shares, reviews, source, baseline.label_prior, baseline.low_confidence_share, bounds, unlike)
 
@@ -187,5 +187,6 @@ def _edges(name: str, values: np.ndarray) -> tuple[float, ...]:
     return tuple(float(c) for c in cuts if math.isfinite(c))
 
 
-def _low_confidence(positive: np.ndarray) -> np.ndarray:
+def low_confidence(positive: np.ndarray) -> np.ndarray:
+    """Per answer, whether its larger class probability is below LOW_CONFIDENCE."""
     return np.maximum(positive, 1.0 - positive) < LOW_CONFIDENCE

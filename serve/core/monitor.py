@@ -30,6 +30,7 @@ from common.drift import (
     SHORT_NAMES,
     STATISTICS,
     Baseline,
+    low_confidence,
     review_statistics,
 )
 
@@ -100,7 +101,7 @@ class VersionMonitor:
         positive = statistics["positive_probability"]
         columns = [bins[name] for name in STATISTICS] + [
             self.baseline.unlike(statistics).astype(np.int64),
-            (np.maximum(positive, 1.0 - positive) < LOW_CONFIDENCE).astype(np.int64)]
+            low_confidence(positive).astype(np.int64)]
         flat = np.stack(columns, axis=1) + self._offsets
         for name in _SUMMED:
             self._sums[name] += float(statistics[name].sum())
