@@ -109,10 +109,9 @@ class Baseline:
         words, unknown = statistics["words"], statistics["unknown_ngram_share"]
         bounds = {"words_min": float(np.quantile(words, 0.01)), "words_max": float(np.quantile(words, 0.99)),
                   "unknown_max": float(np.quantile(unknown, 0.99))}
-        baseline = cls(edges, shares, reviews, source, float(np.mean(labels)),
-                       float(np.mean(low_confidence(statistics["positive_probability"]))), bounds, 0.0)
-        unlike = float(np.mean(baseline.unlike(statistics)))
-        return cls(edges, shares, reviews, source, baseline.label_prior, baseline.low_confidence_share, bounds, unlike)
+        return cls(edges, shares, reviews, source, float(np.mean(labels)),
+                   float(np.mean(low_confidence(statistics["positive_probability"]))), bounds,
+                   float(np.mean(_unlike(bounds, statistics))))
 
     def bins(self, statistics: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Per statistic, the bin of each review."""
@@ -120,8 +119,7 @@ class Baseline:
 
     def unlike(self, statistics: Mapping[str, np.ndarray]) -> np.ndarray:
         """Per review, whether it is unlike the held-out reviews (see unlike_bounds)."""
-        b, words = self.unlike_bounds, statistics["words"]
-        return (words < b["words_min"]) | (words > b["words_max"]) | (statistics["unknown_ngram_share"] > b["unknown_max"])
+        return _unlike(self.unlike_bounds, statistics)
 
     def psi(self, name: str, counts: np.ndarray) -> float:
         """Population stability index of a window's bin counts of statistic `name` (see the module)."""
@@ -185,6 +183,12 @@ def _edges(name: str, values: np.ndarray) -> tuple[float, ...]:
     if name == "words":
         cuts = np.unique(np.floor(cuts))  # whole word counts
     return tuple(float(c) for c in cuts if math.isfinite(c))
+
+
+def _unlike(bounds: Mapping[str, float], statistics: Mapping[str, np.ndarray]) -> np.ndarray:
+    words = statistics["words"]
+    return ((words < bounds["words_min"]) | (words > bounds["words_max"])
+            | (statistics["unknown_ngram_share"] > bounds["unknown_max"]))
 
 
 def low_confidence(positive: np.ndarray) -> np.ndarray:

@@ -164,9 +164,7 @@ class TfIdf(tf.Module):
         The n-grams are hashed and looked up once for both, and the counts take a few ops: the
         server answers predict requests through this (`common.drift.MONITOR_SIGNATURE`)."""
         keys, rows, words = _ngram_keys_and_words(texts, self.settings.ngrams)
-        ids = self.table.lookup(keys)
-        found = tf.where(ids >= 0)[:, 0]
-        ids, found_rows = tf.gather(ids, found), tf.gather(rows, found)
+        ids, found_rows = self._known(keys, rows)
         batch = tf.shape(texts)[0]
         none = tf.zeros([0], tf.int64)
 
@@ -199,7 +197,10 @@ class TfIdf(tf.Module):
 
     def _ngram_ids(self, texts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """(vocabulary id, row) of every 1..n-gram of the texts that is in the vocabulary."""
-        keys, rows = ngram_keys(texts, self.settings.ngrams)
+        return self._known(*ngram_keys(texts, self.settings.ngrams))
+
+    def _known(self, keys: tf.Tensor, rows: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """(vocabulary id, row) of the n-gram keys found in the vocabulary."""
         ids = self.table.lookup(keys)
         known = tf.where(ids >= 0)[:, 0]
         return tf.gather(ids, known), tf.gather(rows, known)

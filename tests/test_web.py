@@ -85,15 +85,21 @@ def console_errors() -> list[str]:
     return []
 
 
+def open_page(context, url: str, console_errors: list[str]) -> Page:  # noqa: ANN001 - a BrowserContext
+    """A new page of `context` at `url`, its console errors and uncaught exceptions collected."""
+    page = context.new_page()
+    page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
+    page.on("pageerror", lambda exc: console_errors.append(str(exc)))
+    page.goto(url)
+    return page
+
+
 @pytest.fixture
 def page(browser, server, console_errors):
     """A fresh page on the server's `/`, loaded and showing the model version and health."""
     context = browser.new_context(viewport={"width": 900, "height": 760})
     try:
-        page = context.new_page()
-        page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
-        page.on("pageerror", lambda exc: console_errors.append(str(exc)))
-        page.goto(server.url + "/")
+        page = open_page(context, server.url + "/", console_errors)
         expect(page.locator("#model-name")).to_have_text(MODEL_NAME)
         expect(page.locator("#model-version")).to_have_text("version 1")
         expect(page.locator("#health-text")).to_have_text("ready")
@@ -218,10 +224,7 @@ def test_the_monitoring_panel_shows_the_traffic_beside_the_training_data(browser
                            log_path=tmp_path / "serve.log")
     context = browser.new_context(viewport={"width": 900, "height": 1100})
     try:
-        page = context.new_page()
-        page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
-        page.on("pageerror", lambda exc: console_errors.append(str(exc)))
-        page.goto(server.url + "/")
+        page = open_page(context, server.url + "/", console_errors)
         line = page.locator("#monitoring .monitor[data-version='1'] .drift-line")
         expect(line).to_have_text("No reviews answered yet.")
         send(server, like_training(300))

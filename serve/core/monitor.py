@@ -45,6 +45,11 @@ _SUMMED = ("words", "unknown_ngram_share", "positive_probability")
 """The statistics whose lifetime sums the Prometheus histograms report."""
 
 
+def _column_sizes(baseline: Baseline) -> list[int]:
+    """Bins of each column a review is counted in: the statistics', then two per flag."""
+    return [len(baseline.edges[name]) + 1 for name in STATISTICS] + [2] * len(FLAGS)
+
+
 class VersionMonitor:
     """The rolling windows of one model version (thread-safe: observed in the model thread, read
     on the event loop)."""
@@ -54,7 +59,7 @@ class VersionMonitor:
         self.baseline = baseline
         self.window_reviews, self.window_seconds = window_reviews, window_seconds
         self._clock = clock
-        sizes = [len(baseline.edges[name]) + 1 for name in STATISTICS] + [2] * len(FLAGS)
+        sizes = _column_sizes(baseline)
         self._offsets = np.cumsum([0, *sizes[:-1]])
         self.bins = int(sum(sizes))
         self._lock = threading.Lock()
@@ -141,7 +146,7 @@ class Report:
 
     def __init__(self, baseline: Baseline, counts: list[dict]) -> None:
         self.baseline = baseline
-        sizes = [len(baseline.edges[name]) + 1 for name in STATISTICS] + [2] * len(FLAGS)
+        sizes = _column_sizes(baseline)
         self._slices = dict(zip([*STATISTICS, *FLAGS],
                                 (slice(a, a + n) for a, n in zip(np.cumsum([0, *sizes[:-1]]), sizes))))
         self.counts = {key: np.sum([np.asarray(c[key], np.int64) for c in counts], axis=0)
